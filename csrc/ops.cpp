@@ -1,0 +1,20 @@
+// Operator schemas of the specadapt extension (specadapt._C).
+// Implementations register per dispatch key in csrc/cpu and csrc/cuda; fake (meta) implementations for
+// torch.compile / opcheck live in python/specadapt/kernels.py.
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// Importing specadapt._C only has to run the static registrations below; the module itself is empty.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(specadapt, m) {
+  // Block-verification residual reduction (specs/verification.md section 2):
+  //   Z[n] = sum_v max(weights[n] * target_probs[n, v] - draft_probs[n, v], 0)
+  // target_probs, draft_probs: [N, V] float32 or bfloat16 (same dtype); weights: [N] float32 -> [N] float32.
+  m.def("block_residual_mass(Tensor target_probs, Tensor draft_probs, Tensor weights) -> Tensor");
+}

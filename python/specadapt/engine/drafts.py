@@ -1,0 +1,266 @@
+"""Draft proposers for the embedded engine.
+
+- :class:`NoDraft`: proposes nothing; the speculative loop then is plain target-only decoding (the baseline).
+- :class:`NgramDraft`: prompt-lookup decoding (Saxena 2023; ``prompt_lookup_num_tokens`` in transformers,
+  ``ngram`` in vLLM and SGLang): find the latest earlier occurrence of the last ``n`` tokens of prompt + output
+  (``n`` from ``max_ngram`` down to ``min_ngram``) and propose what followed it. ``q`` is one-hot.
+- :class:`ModelDraft`: an autoregressive draft LM with its own :class:`RaggedKVCache`: a layer-truncated copy of
+  the target (``self:N``) or a standalone Hugging Face model sharing the target's tokenizer.
+
+Every draft samples its tokens from exactly the ``q`` rows it returns (the same temperature / top-k / top-p
+transform as the target), which is what makes verification lossless.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..sampling import SamplingParams, logits_to_probs
+from .kv import RaggedKVCache
+from .models import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DraftProposal",
+    "Draft",
+    "NoDraft",
+    "NgramDraft",
+    "ModelDraft",
+    "self_draft",
+    "check_same_vocabulary",
+    "VocabularyMismatchError",
+]
+
+
+class VocabularyMismatchError(ValueError):
+    """The draft's vocabulary differs from the target's: its q rows cannot be compared with p."""
+
+
+@dataclass
+class DraftProposal:
+    """Draft tokens of one round.
+
+    Attributes:
+        tokens: ``[B, L] int64`` drafted ids (entries past ``num_tokens`` are padding, 0).
+        probs: ``[B, L, V] float32`` the rows ``q(. | X^i)`` each token was sampled from.
+        num_tokens: ``[B] int64`` how many drafts each request proposes (``<= L``).
+    """
+
+    tokens: torch.Tensor
+    probs: torch.Tensor
+    num_tokens: torch.Tensor
+
+
+class Draft:
+    """Interface of a draft proposer over a batch of requests (one row per request)."""
+
+    name = "draft"
+
+    def start(self, histories: list[list[int]]) -> None:
+        """Begin a batch; ``histories[r]`` is request ``r``'s prompt."""
+
+    def propose(self, histories: list[list[int]], max_tokens: torch.Tensor, vocab_size: int) -> DraftProposal:
+        """Propose up to ``max_tokens[r]`` tokens after ``histories[r]`` (the committed tokens)."""
+        raise NotImplementedError
+
+    def commit(self, accept_len: torch.Tensor) -> None:
+        """Tell the draft how many of its proposals were accepted (``[B] int64``) so it can roll back."""
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only these rows (requests that finished are dropped)."""
+
+
+def _empty_proposal(batch: int, length: int, vocab: int) -> DraftProposal:
+    return DraftProposal(
+        tokens=torch.zeros(batch, length, dtype=torch.int64),
+        probs=torch.zeros(batch, length, vocab, dtype=torch.float32),
+        num_tokens=torch.zeros(batch, dtype=torch.int64),
+    )
+
+
+class NoDraft(Draft):
+    """Proposes no tokens: every round is one plain target decoding step."""
+
+    name = "none"
+
+    def propose(self, histories, max_tokens, vocab_size):
+        return _empty_proposal(len(histories), 0, vocab_size)
+
+
+def ngram_lookup(history: np.ndarray, max_tokens: int, max_ngram: int = 4, min_ngram: int = 1) -> np.ndarray:
+    """Prompt-lookup proposal for one sequence.
+
+    Args:
+        history: ``[T] int64`` prompt + output so far.
+        max_tokens: at most this many tokens are proposed.
+        max_ngram, min_ngram: n-gram sizes tried, longest first.
+
+    Returns:
+        ``[k] int64`` (``0 <= k <= max_tokens``): the tokens that followed the latest earlier occurrence of the
+        longest matching suffix n-gram; empty when nothing matches.
+    """
+    size = history.shape[0]
+    if max_tokens <= 0:
+        return history[:0]
+    for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
+        suffix = history[size - n :]
+        # windows[i] = history[i : i + n] for start positions i in [0, size - n - 1] (exclude the suffix itself)
+        windows = np.lib.stride_tricks.sliding_window_view(history[: size - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return history[start : start + max_tokens]
+    return history[:0]
+
+
+class NgramDraft(Draft):
+    """Prompt-lookup drafting over prompt + output; ``q`` is one-hot on the proposed token."""
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def propose(self, histories, max_tokens, vocab_size):
+        batch = len(histories)
+        length = int(max_tokens.max()) if batch else 0
+        proposal = _empty_proposal(batch, length, vocab_size)
+        for r, history in enumerate(histories):
+            found = ngram_lookup(np.asarray(history, dtype=np.int64), int(max_tokens[r]), self.max_ngram, self.min_ngram)
+            k = found.shape[0]
+            if k:
+                ids = torch.from_numpy(found.copy())
+                proposal.tokens[r, :k] = ids
+                proposal.probs[r, torch.arange(k), ids] = 1.0
+            proposal.num_tokens[r] = k
+        return proposal
+
+
+class ModelDraft(Draft):
+    """An autoregressive draft LM run with its own ragged KV cache.
+
+    Args:
+        model: transformers causal LM whose logits are over the target's vocabulary.
+        sampling: the run's sampling transform (applied to the draft logits to get ``q``).
+        generator: random generator for the draft's own sampling.
+        name: label used in reports (``self:4``, a path, ...).
+    """
+
+    def __init__(self, model: torch.nn.Module, sampling: SamplingParams, generator: torch.Generator, name: str) -> None:
+        self.model = model
+        self.sampling = sampling
+        self.generator = generator
+        self.name = name
+        self.kv: RaggedKVCache | None = None
+        self._committed_before: torch.Tensor | None = None
+        self._drafts_fed = 0
+
+    def start(self, histories):
+        self.kv = RaggedKVCache(self.model, len(histories))
+        prefix = [h[:-1] for h in histories]
+        if max(len(p) for p in prefix) > 0:
+            ids, counts = _pad(prefix)
+            self.kv.forward(ids, counts, logits_to_keep=1)
+
+    def propose(self, histories, max_tokens, vocab_size):
+        assert self.kv is not None, "start() must be called first"
+        batch = len(histories)
+        length = int(max_tokens.max()) if batch else 0
+        proposal = _empty_proposal(batch, length, vocab_size)
+        proposal.num_tokens = max_tokens.clone().to(torch.int64)
+        self._committed_before = torch.tensor([len(h) for h in histories], dtype=torch.int64)
+        self._drafts_fed = 0
+        if length == 0:
+            return proposal
+        cached = self.kv.lengths.cpu().tolist()
+        suffixes = [h[c:] for h, c in zip(histories, cached)]
+        ids, counts = _pad(suffixes)
+        logits = self.kv.forward(ids, counts)
+        rows = torch.arange(batch)
+        last = logits[rows, (counts - 1).clamp_min(0).to(logits.device)]
+        for i in range(length):
+            q = logits_to_probs(last, self.sampling)
+            token = torch.multinomial(q.cpu(), 1, generator=self.generator).squeeze(1)
+            proposal.tokens[:, i] = token
+            proposal.probs[:, i] = q.cpu()
+            if i + 1 < length:
+                last = self.kv.forward(token[:, None], torch.ones(batch, dtype=torch.int64))[:, -1]
+                self._drafts_fed += 1
+        live = torch.arange(length)[None, :] < proposal.num_tokens[:, None]
+        proposal.tokens = torch.where(live, proposal.tokens, torch.zeros_like(proposal.tokens))
+        return proposal
+
+    def commit(self, accept_len):
+        if self.kv is None or self._committed_before is None:
+            return
+        # The cache holds the committed tokens and the first `_drafts_fed` drafts; keep the accepted ones.
+        keep = self._committed_before + torch.clamp(accept_len.to(torch.int64), max=self._drafts_fed)
+        self.kv.truncate(torch.minimum(keep, self.kv.lengths.cpu()))
+        self._committed_before = None
+
+    def select(self, rows):
+        if self.kv is not None:
+            self.kv.select(rows)
+
+
+def _pad(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token lists into ``([B, n] int64, counts [B] int64)`` (pad id 0, masked as holes)."""
+    counts = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
+    width = max(int(counts.max()), 1) if len(sequences) else 1
+    ids = torch.zeros(len(sequences), width, dtype=torch.int64)
+    for r, s in enumerate(sequences):
+        if s:
+            ids[r, : len(s)] = torch.as_tensor(s, dtype=torch.int64)
+    return ids, counts
+
+
+def self_draft(target: LoadedModel, num_layers: int) -> torch.nn.Module:
+    """A layer-truncated copy of the target: its first ``num_layers`` decoder layers, final norm and LM head.
+
+    The copy owns its parameters (a deep copy), so a later stage can train it without touching the target.
+
+    Raises:
+        ValueError: ``num_layers`` outside ``[1, number of target layers]`` or a model without
+            ``model.layers``.
+    """
+    decoder = getattr(target.model, "model", None)
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise ValueError(f"self:N needs a decoder with `model.layers`; {type(target.model).__name__} has none")
+    total = len(layers)
+    if not 1 <= num_layers <= total:
+        raise ValueError(f"--draft self:N needs 1 <= N <= {total} (the target's layers), got {num_layers}")
+    draft = copy.deepcopy(target.model)
+    draft.model.layers = torch.nn.ModuleList(list(draft.model.layers)[:num_layers])
+    draft.config.num_hidden_layers = num_layers
+    if getattr(draft.config, "layer_types", None) is not None:
+        draft.config.layer_types = list(draft.config.layer_types)[:num_layers]
+    draft.eval()
+    return draft
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse a draft whose vocabulary differs from the target's.
+
+    Raises:
+        VocabularyMismatchError: different logit width or a different token -> id mapping.
+    """
+    if draft.vocab_size != target.vocab_size:
+        raise VocabularyMismatchError(
+            f"draft {draft.name!r} has a vocabulary of {draft.vocab_size} tokens but the target "
+            f"{target.name!r} has {target.vocab_size}: speculative decoding needs the same tokenizer"
+        )
+    if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        raise VocabularyMismatchError(
+            f"draft {draft.name!r} maps tokens to ids differently from the target {target.name!r}: "
+            "speculative decoding needs the same tokenizer"
+        )

@@ -1,0 +1,171 @@
+"""A batched KV cache with ragged per-request lengths and per-request rollback, over a transformers model.
+
+transformers' ``DynamicCache`` stores one physical time axis for the whole batch and can only crop it for
+everyone at once (and 5.x changed ``crop`` to take the number of tokens to REMOVE). Speculative decoding needs
+each request to keep a different number of the positions it just wrote. This cache keeps the physical axis
+shared and tracks, per request, which physical slots are valid:
+
+- every forward appends one chunk of ``n`` slots to all rows; row ``r`` fills its first ``num_valid[r]`` slots
+  with real tokens, the rest are holes (right padding, so a padded query always sees a real earlier key and
+  never produces NaN);
+- a 4-D additive attention mask built here hides holes and applies causality, and ``position_ids`` carry each
+  token's logical position, so a hole never shifts RoPE positions;
+- ``truncate(lengths)`` rolls each row back to its own logical length by turning its later valid slots into
+  holes, then crops the columns that are holes in every row;
+- when holes waste too much of the physical axis, ``compact()`` gathers each row's valid slots to the front
+  (keys already carry RoPE for their logical positions, so moving them is exact).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+__all__ = ["RaggedKVCache"]
+
+
+def _cache_kwarg(model: torch.nn.Module) -> str:
+    params = inspect.signature(model.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise TypeError(f"{type(model).__name__}.forward takes neither `cache` nor `past_key_values`")
+
+
+class RaggedKVCache:
+    """Per-request-length KV cache for one causal LM (target or draft).
+
+    Args:
+        model: a transformers causal LM (``forward(input_ids, attention_mask, position_ids, cache/past_key_values,
+            use_cache, logits_to_keep)``), in eval mode.
+        batch_size: number of rows.
+        compact_min_waste: compaction runs when the physical length exceeds the longest row by more than
+            ``max(compact_min_waste, compact_fraction * longest)`` slots.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        batch_size: int,
+        compact_min_waste: int = 64,
+        compact_fraction: float = 0.25,
+    ) -> None:
+        from transformers import DynamicCache  # adapters may import transformers; techniques may not
+
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.cache = DynamicCache(config=model.config)
+        self._cache_name = _cache_kwarg(model)
+        self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device)  # [B, T_phys]
+        self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=self.device)  # [B]
+        self.compact_min_waste = compact_min_waste
+        self.compact_fraction = compact_fraction
+        self.num_compactions = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.valid.shape[0]
+
+    @property
+    def physical_length(self) -> int:
+        return self.valid.shape[1]
+
+    def _attention_mask(self, num_new: int, new_valid: torch.Tensor) -> torch.Tensor:
+        batch = self.batch_size
+        past = self.valid[:, None, :].expand(batch, num_new, self.physical_length)
+        causal = torch.ones(num_new, num_new, dtype=torch.bool, device=self.device).tril()
+        new = causal[None] & new_valid[:, None, :]
+        allowed = torch.cat([past, new], dim=2)[:, None]  # [B, 1, n, T+n]
+        zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        neg = torch.tensor(torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device)
+        return torch.where(allowed, zero, neg)
+
+    @torch.no_grad()
+    def forward(
+        self, input_ids: torch.Tensor, num_valid: torch.Tensor, logits_to_keep: int = 0
+    ) -> torch.Tensor:
+        """Append one chunk and return its logits.
+
+        Args:
+            input_ids: ``[B, n] int64``; row ``r``'s real tokens in its first ``num_valid[r]`` columns
+                (any id in the rest).
+            num_valid: ``[B] int64`` in ``[0, n]``.
+            logits_to_keep: 0 for logits at every column, ``k`` for the last ``k`` columns only.
+
+        Returns:
+            ``[B, n or k, V]`` logits (model dtype). Columns past ``num_valid`` are meaningless.
+        """
+        batch, num_new = input_ids.shape
+        if batch != self.batch_size:
+            raise ValueError(f"input_ids has {batch} rows but the cache has {self.batch_size}")
+        num_valid = num_valid.to(self.device, torch.int64)
+        cols = torch.arange(num_new, device=self.device)
+        new_valid = cols[None, :] < num_valid[:, None]
+        position_ids = self.lengths[:, None] + cols[None, :]
+        mask = self._attention_mask(num_new, new_valid)
+        out = self.model(
+            input_ids=input_ids.to(self.device),
+            attention_mask=mask,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+            **{self._cache_name: self.cache},
+        )
+        self.valid = torch.cat([self.valid, new_valid], dim=1)
+        self.lengths = self.lengths + num_valid
+        return out.logits
+
+    def truncate(self, lengths: torch.Tensor) -> None:
+        """Roll each row back to ``lengths[r]`` valid tokens (must not exceed its current length).
+
+        Raises:
+            ValueError: a requested length is negative or longer than the row.
+        """
+        lengths = lengths.to(self.device, torch.int64)
+        if bool(((lengths < 0) | (lengths > self.lengths)).any()):
+            raise ValueError("truncate lengths must lie in [0, current length] per row")
+        rank = self.valid.to(torch.int64).cumsum(dim=1)
+        self.valid = self.valid & (rank <= lengths[:, None])
+        self.lengths = lengths.clone()
+        self._crop_tail()
+        longest = int(self.lengths.max()) if self.batch_size else 0
+        waste = self.physical_length - longest
+        if waste > max(self.compact_min_waste, self.compact_fraction * longest):
+            self.compact()
+
+    def _crop_tail(self) -> None:
+        any_valid = self.valid.any(dim=0)
+        keep = int(any_valid.nonzero().max()) + 1 if bool(any_valid.any()) else 0
+        if keep < self.physical_length:
+            for layer in self.cache.layers:
+                if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0:
+                    layer.keys = layer.keys[:, :, :keep]
+                    layer.values = layer.values[:, :, :keep]
+            self.valid = self.valid[:, :keep]
+
+    def compact(self) -> None:
+        """Move each row's valid slots to the front of the physical axis (left-aligned), dropping holes."""
+        longest = int(self.lengths.max()) if self.batch_size else 0
+        order = torch.argsort((~self.valid).to(torch.int8), dim=1, stable=True)[:, :longest]  # [B, longest]
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                continue
+            heads, head_dim = layer.keys.shape[1], layer.keys.shape[3]
+            index = order[:, None, :, None].expand(-1, heads, -1, head_dim)
+            layer.keys = layer.keys.gather(2, index)
+            layer.values = layer.values.gather(2, index.expand(-1, -1, -1, layer.values.shape[3]))
+        self.valid = torch.arange(longest, device=self.device)[None, :] < self.lengths[:, None]
+        self.num_compactions += 1
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only the given rows (``[B'] int64`` indices), e.g. when requests finish."""
+        rows = rows.to(self.device)
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0:
+                layer.keys = layer.keys.index_select(0, rows)
+                layer.values = layer.values.index_select(0, rows)
+        self.valid = self.valid.index_select(0, rows)
+        self.lengths = self.lengths.index_select(0, rows)
+        self._crop_tail()

@@ -1,0 +1,205 @@
+"""The batched speculative decoding loop of the embedded engine.
+
+One round, for every active request at once (specs/verification.md):
+
+1. the draft proposes ``L_r <= L`` tokens per request, keeping the ``q`` rows they were sampled from;
+2. the target scores ``[last committed token, drafts...]`` in ONE forward (a ragged chunk: row ``r`` holds
+   ``1 + L_r`` real tokens), giving ``p(. | X^i)`` for ``i = 0..L_r``;
+3. a verification rule (``chain`` or ``block``) decides ``tau`` from fresh coins and emits ``tau + 1`` tokens;
+4. both KV caches roll back to the accepted length; the extra token becomes the next round's slot 0.
+
+A request ends at an EOS token or after ``max_new_tokens``; the others continue. With :class:`NoDraft` a
+round is exactly one step of plain target decoding, which is how the target-only baseline runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..sampling import SamplingParams, logits_to_probs
+from ..verification import get_rule
+from .drafts import Draft, _pad
+from .kv import RaggedKVCache
+from .models import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RoundRecord", "RequestResult", "SpeculativeEngine"]
+
+
+@dataclass
+class RoundRecord:
+    """One speculation round of one request.
+
+    Attributes:
+        position: index (in the request's output) of the first token the round emitted.
+        num_drafted: drafts verified this round (``L_r``).
+        accepted: accepted drafts (``tau``); the round emitted ``emitted`` tokens (``tau + 1`` unless cut by EOS).
+    """
+
+    position: int
+    num_drafted: int
+    accepted: int
+    emitted: int
+
+
+@dataclass
+class RequestResult:
+    """Outcome of one request: its output token ids, rounds and timing (seconds, wall clock)."""
+
+    index: int
+    prompt_tokens: int
+    output_ids: list[int] = field(default_factory=list)
+    rounds: list[RoundRecord] = field(default_factory=list)
+    seconds: float = 0.0
+    finished_by_eos: bool = False
+
+
+class SpeculativeEngine:
+    """Batched speculative decoding of a target with a draft and a lossless verification rule.
+
+    Args:
+        target: the target model and tokenizer.
+        draft: a :class:`Draft` (``NoDraft`` gives target-only decoding).
+        sampling: temperature / top-k / top-p, shared by target and draft.
+        num_draft_tokens: ``L``, the most drafts verified per request per round (>= 0).
+        verify: ``chain`` or ``block``.
+        seed: seeds the coins of verification (the draft carries its own generator).
+
+    Raises:
+        ValueError: ``num_draft_tokens < 0`` or an unknown verification rule.
+    """
+
+    def __init__(
+        self,
+        target: LoadedModel,
+        draft: Draft,
+        sampling: SamplingParams,
+        num_draft_tokens: int,
+        verify: str = "chain",
+        seed: int = 0,
+    ) -> None:
+        if num_draft_tokens < 0:
+            raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
+        self.target = target
+        self.draft = draft
+        self.sampling = sampling
+        self.num_draft_tokens = num_draft_tokens
+        self.verify_name = verify
+        self.verify = get_rule(verify)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.eos_ids = target.eos_token_ids()
+        self.vocab_size = target.vocab_size
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int | list[int],
+        batch_size: int = 1,
+        on_tokens: Callable[[int], None] | None = None,
+    ) -> list[RequestResult]:
+        """Decode every prompt, ``batch_size`` requests at a time.
+
+        Args:
+            prompts: token id lists (already chat-templated), each at least one token long.
+            max_new_tokens: a limit for all requests or one per request.
+            batch_size: requests decoded together (a batch runs until its last request finishes).
+            on_tokens: called with the number of tokens emitted after every round (progress bars).
+
+        Returns:
+            One :class:`RequestResult` per prompt, in order.
+
+        Raises:
+            ValueError: empty prompt, batch size < 1, negative max_new_tokens.
+        """
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if len(limits) != len(prompts):
+            raise ValueError("max_new_tokens must be an int or one value per prompt")
+        for i, (p, m) in enumerate(zip(prompts, limits)):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            if m < 0:
+                raise ValueError(f"max_new_tokens must be >= 0, got {m}")
+        results = [RequestResult(index=i, prompt_tokens=len(p)) for i, p in enumerate(prompts)]
+        for start in range(0, len(prompts), batch_size):
+            idx = list(range(start, min(start + batch_size, len(prompts))))
+            self._run_batch([prompts[i] for i in idx], [limits[i] for i in idx], [results[i] for i in idx], on_tokens)
+        return results
+
+    def _run_batch(self, prompts, limits, results, on_tokens) -> None:
+        t0 = time.perf_counter()
+        histories = [list(p) for p in prompts]
+        active = [r for r in range(len(prompts)) if limits[r] > 0]
+        for r in range(len(prompts)):
+            if limits[r] == 0:
+                results[r].seconds = 0.0
+        if not active:
+            return
+        histories_active = [histories[r] for r in active]
+        kv = RaggedKVCache(self.target.model, len(active))
+        prefix = [h[:-1] for h in histories_active]
+        if max(len(p) for p in prefix) > 0:
+            ids, counts = _pad(prefix)
+            kv.forward(ids, counts, logits_to_keep=1)
+        self.draft.start(histories_active)
+        while active:
+            histories_active = [histories[r] for r in active]
+            remaining = torch.tensor([limits[r] - len(results[r].output_ids) for r in active], dtype=torch.int64)
+            max_drafts = torch.clamp(remaining - 1, min=0, max=self.num_draft_tokens)
+            proposal = self.draft.propose(histories_active, max_drafts, self.vocab_size)
+            n_draft = proposal.num_tokens
+            width = proposal.tokens.shape[1]
+            last = torch.tensor([h[-1] for h in histories_active], dtype=torch.int64)
+            candidates = torch.cat([last[:, None], proposal.tokens], dim=1)  # [B, width+1]
+            logits = kv.forward(candidates, n_draft + 1)
+            target_probs = logits_to_probs(logits, self.sampling).cpu()
+            batch = len(active)
+            out = self.verify(
+                candidates,
+                target_probs,
+                proposal.probs,
+                torch.rand(batch, width, generator=self.generator, dtype=torch.float64),
+                torch.rand(batch, generator=self.generator, dtype=torch.float64),
+                num_draft_tokens=n_draft,
+            )
+            accept_len = out.accept_len.to(torch.int64)
+            kv.truncate(kv.lengths.cpu() - (n_draft - accept_len))
+            self.draft.commit(accept_len)
+            still_active, keep_rows, emitted_total = [], [], 0
+            now = time.perf_counter()
+            for row, r in enumerate(active):
+                tau = int(accept_len[row])
+                emitted = out.output_tokens[row, : tau + 1].tolist()
+                res = results[r]
+                done = False
+                for j, tok in enumerate(emitted):
+                    if tok in self.eos_ids:
+                        emitted = emitted[: j + 1]
+                        res.finished_by_eos = True
+                        done = True
+                        break
+                res.rounds.append(RoundRecord(len(res.output_ids), int(n_draft[row]), tau, len(emitted)))
+                res.output_ids.extend(emitted)
+                histories[r].extend(emitted)
+                emitted_total += len(emitted)
+                if len(res.output_ids) >= limits[r]:
+                    done = True
+                if done:
+                    res.seconds = now - t0
+                else:
+                    still_active.append(r)
+                    keep_rows.append(row)
+            if on_tokens is not None:
+                on_tokens(emitted_total)
+            if len(keep_rows) < len(active) and keep_rows:
+                rows = torch.tensor(keep_rows, dtype=torch.int64)
+                kv.select(rows)
+                self.draft.select(rows)
+            active = still_active

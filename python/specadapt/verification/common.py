@@ -1,0 +1,210 @@
+"""Shared pieces of the verification rules: input checks, sanitising, coin-driven sampling.
+
+The tensor contract (specs/verification.md section 4), for a batch of ``B`` requests, draft length ``L`` and
+vocabulary ``V``:
+
+- ``candidates [B, L+1] int64``: slot 0 is the last committed token, slots 1..L the drafted tokens.
+- ``target_probs [B, L+1, V]`` float: row ``i`` is ``p(. | X^i)``.
+- ``draft_probs [B, L, V]`` float: row ``i`` is ``q(. | X^i)``, the law drafted token ``i+1`` was sampled from.
+- ``uniforms [B, L]`` and ``uniforms_final [B]``: the coins, in ``[0, 1)``.
+- ``num_draft_tokens [B] int`` (optional, this package's extension for ragged batches): request ``b`` only
+  drafted ``num_draft_tokens[b] <= L`` tokens; slots past it are ignored.
+
+Outputs: ``accept_len [B] int32`` (tau) and ``output_tokens [B, L+1] int32`` (accepted drafts, then the extra
+token, padded with -1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "VerifyInputs",
+    "VerifyOutput",
+    "check_inputs",
+    "sanitize_probs",
+    "sample_from_unnormalized",
+]
+
+
+@dataclass
+class VerifyOutput:
+    """Result of one verification call.
+
+    Attributes:
+        accept_len: ``[B] int32``, tau = number of accepted draft tokens per request.
+        output_tokens: ``[B, L+1] int32``, the ``tau`` accepted drafts then the extra token, padded with -1.
+    """
+
+    accept_len: torch.Tensor
+    output_tokens: torch.Tensor
+
+
+@dataclass
+class VerifyInputs:
+    """Validated inputs converted to float64 on the inputs' device (the reference's working precision)."""
+
+    drafts: torch.Tensor  # [B, L] int64
+    target_probs: torch.Tensor  # [B, L+1, V] float64
+    draft_probs: torch.Tensor  # [B, L, V] float64
+    uniforms: torch.Tensor  # [B, L] float64
+    uniforms_final: torch.Tensor  # [B] float64
+    num_draft_tokens: torch.Tensor  # [B] int64
+
+    @property
+    def batch_size(self) -> int:
+        return self.drafts.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return self.drafts.shape[1]
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def sanitize_probs(probs: torch.Tensor, name: str, strict: bool) -> torch.Tensor:
+    """Return ``probs`` in float64 with NaN / inf / negative entries handled as the spec says (section 5).
+
+    Args:
+        probs: float tensor of any shape.
+        name: argument name used in error messages.
+        strict: if True (target probabilities in debug mode) such entries raise ``ValueError``;
+            otherwise they are replaced by 0.
+    """
+    probs = probs.to(torch.float64)
+    bad = ~torch.isfinite(probs) | (probs < 0)
+    if bool(bad.any()):
+        if strict:
+            raise ValueError(f"{name} contains NaN, inf or negative entries")
+        probs = torch.where(bad, torch.zeros_like(probs), probs)
+    return probs
+
+
+def check_inputs(
+    candidates: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    uniforms: torch.Tensor,
+    uniforms_final: torch.Tensor,
+    num_draft_tokens: torch.Tensor | None = None,
+    debug: bool = False,
+) -> VerifyInputs:
+    """Validate the verification contract and convert to float64.
+
+    Raises:
+        ValueError: wrong ranks/shapes, non-float probabilities, token ids outside ``[0, V)``, coins outside
+            ``[0, 1)``, ``num_draft_tokens`` outside ``[0, L]``, NaN/inf/negative target probabilities when
+            ``debug`` is set. Every message names the offending argument.
+        TypeError: tensors that are not ``torch.Tensor``.
+    """
+    named = {
+        "candidates": candidates,
+        "target_probs": target_probs,
+        "draft_probs": draft_probs,
+        "uniforms": uniforms,
+        "uniforms_final": uniforms_final,
+    }
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    device = target_probs.device
+    for name, t in named.items():
+        _require(t.device == device, f"{name} is on {t.device} but target_probs is on {device}")
+    _require(candidates.dim() == 2, f"candidates must be [B, L+1], got shape {tuple(candidates.shape)}")
+    _require(
+        candidates.dtype in (torch.int64, torch.int32),
+        f"candidates must be int64 or int32, got {candidates.dtype}",
+    )
+    batch, slots = candidates.shape
+    num_drafts = slots - 1
+    _require(slots >= 1, "candidates must have at least one slot (the last committed token)")
+    _require(
+        target_probs.dim() == 3 and target_probs.shape[:2] == (batch, slots),
+        f"target_probs must be [B, L+1, V] = [{batch}, {slots}, V], got {tuple(target_probs.shape)}",
+    )
+    vocab = target_probs.shape[2]
+    _require(vocab >= 1, "target_probs has an empty vocabulary dimension")
+    _require(
+        draft_probs.dim() == 3 and tuple(draft_probs.shape) == (batch, num_drafts, vocab),
+        f"draft_probs must be [B, L, V] = [{batch}, {num_drafts}, {vocab}], got {tuple(draft_probs.shape)}",
+    )
+    for name in ("target_probs", "draft_probs", "uniforms", "uniforms_final"):
+        _require(named[name].is_floating_point(), f"{name} must be a floating tensor, got {named[name].dtype}")
+    _require(
+        tuple(uniforms.shape) == (batch, num_drafts),
+        f"uniforms must be [B, L] = [{batch}, {num_drafts}], got {tuple(uniforms.shape)}",
+    )
+    _require(
+        tuple(uniforms_final.shape) == (batch,),
+        f"uniforms_final must be [B] = [{batch}], got {tuple(uniforms_final.shape)}",
+    )
+    drafts = candidates[:, 1:].to(torch.int64)
+    if num_draft_tokens is None:
+        num_draft_tokens = torch.full((batch,), num_drafts, dtype=torch.int64, device=device)
+    else:
+        _require(
+            isinstance(num_draft_tokens, torch.Tensor) and tuple(num_draft_tokens.shape) == (batch,),
+            f"num_draft_tokens must be a [B] = [{batch}] integer tensor",
+        )
+        _require(not num_draft_tokens.is_floating_point(), "num_draft_tokens must be an integer tensor")
+        num_draft_tokens = num_draft_tokens.to(device=device, dtype=torch.int64)
+        _require(
+            bool(((num_draft_tokens >= 0) & (num_draft_tokens <= num_drafts)).all()),
+            f"num_draft_tokens must lie in [0, L] = [0, {num_drafts}]",
+        )
+    if num_drafts > 0:
+        live = torch.arange(num_drafts, device=device)[None, :] < num_draft_tokens[:, None]
+        bad_ids = live & ((drafts < 0) | (drafts >= vocab))
+        _require(not bool(bad_ids.any()), f"candidates holds draft token ids outside [0, V) = [0, {vocab})")
+    uniforms64 = uniforms.to(torch.float64)
+    final64 = uniforms_final.to(torch.float64)
+    for name, u in (("uniforms", uniforms64), ("uniforms_final", final64)):
+        _require(bool(((u >= 0) & (u < 1)).all()), f"{name} must lie in [0, 1)")
+    return VerifyInputs(
+        drafts=drafts,
+        target_probs=sanitize_probs(target_probs, "target_probs", strict=debug),
+        draft_probs=sanitize_probs(draft_probs, "draft_probs", strict=False),
+        uniforms=uniforms64,
+        uniforms_final=final64,
+        num_draft_tokens=num_draft_tokens,
+    )
+
+
+def sample_from_unnormalized(
+    weights: torch.Tensor, fallback: torch.Tensor, uniforms: torch.Tensor
+) -> torch.Tensor:
+    """Inverse-CDF sampling from unnormalised non-negative weights, driven by the given coins.
+
+    Picks, per row, the smallest index ``j`` with ``cumsum(weights)[j] > u * sum(weights)``: a token of zero
+    weight is never chosen. Rows whose total mass is zero (or not finite) sample from ``fallback`` instead
+    (the spec's rule: a zero-mass residual falls back to p, never to a fixed token id).
+
+    Args:
+        weights: ``[N, V]`` float64, non-negative.
+        fallback: ``[N, V]`` float64, non-negative, positive mass (the target row).
+        uniforms: ``[N]`` float64 coins in ``[0, 1)``.
+
+    Returns:
+        ``[N] int64`` token ids.
+
+    Raises:
+        ValueError: if a row of ``fallback`` also has zero mass.
+    """
+    mass = weights.sum(dim=-1)
+    use_fallback = ~(mass > 0) | ~torch.isfinite(mass)
+    if bool(use_fallback.any()):
+        weights = torch.where(use_fallback[:, None], fallback, weights)
+        mass = weights.sum(dim=-1)
+        if not bool((mass > 0).all()):
+            raise ValueError("target_probs has a row with zero total mass: nothing can be sampled")
+    cdf = weights.cumsum(dim=-1)
+    threshold = (uniforms * mass)[:, None]
+    idx = (cdf <= threshold).sum(dim=-1)
+    # Rounding can push the threshold to (or past) the last cumulative value: take the last token with mass.
+    last_positive = (weights > 0).to(torch.int64).cumsum(dim=-1).argmax(dim=-1)
+    return torch.minimum(idx, last_positive)

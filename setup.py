@@ -1,0 +1,60 @@
+"""Build of specadapt and its extension specadapt._C.
+
+The C++ CPU sources always build. The CUDA sources are added only when torch is a CUDA build and nvcc is
+found (CUDA_HOME); set SPECADAPT_NO_CUDA=1 to skip them anyway. Install without build isolation so the
+extension compiles against the torch already installed: ``pip install --no-build-isolation -e .``.
+"""
+
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+try:
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+except ImportError as exc:  # pragma: no cover - build-time guidance
+    raise SystemExit(
+        "specadapt builds a torch extension: install torch first (pip install torch==2.13.0), then "
+        "pip install --no-build-isolation -e ."
+    ) from exc
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _want_cuda() -> bool:
+    if os.environ.get("SPECADAPT_NO_CUDA", "0") == "1":
+        return False
+    return torch.version.cuda is not None and CUDA_HOME is not None
+
+
+def _extension():
+    sources = ["csrc/ops.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
+    cxx_flags = ["-O3", "-std=c++17", "-fopenmp"]
+    if _want_cuda():
+        sources += sorted(glob.glob("csrc/cuda/*.cu"))
+        sources = [s for s in sources if not s.endswith("compile_check.cu")]
+        return CUDAExtension(
+            "specadapt._C",
+            sources,
+            extra_compile_args={"cxx": cxx_flags + ["-DSPECADAPT_WITH_CUDA"], "nvcc": ["-O3", "-std=c++17"]},
+            extra_link_args=["-fopenmp"],
+            py_limited_api=True,
+        )
+    return CppExtension(
+        "specadapt._C",
+        sources,
+        extra_compile_args={"cxx": cxx_flags},
+        extra_link_args=["-fopenmp"],
+        py_limited_api=True,
+    )
+
+
+setup(
+    packages=find_packages("python"),
+    package_dir={"": "python"},
+    package_data={"specadapt": ["data/*.jsonl", "data/*.md"]},
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": BuildExtension},
+    options={"bdist_wheel": {"py_limited_api": "cp311"}},
+)
