@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .chain import _gather, _pack
+from .chain import _gather, _normalized_extra_laws, _pack
 from .common import VerifyInputs, VerifyOutput, check_inputs, sample_from_unnormalized
 
 __all__ = ["block_verify", "block_round_law", "block_weights_and_thresholds", "residual_mass_reference"]
@@ -145,9 +145,4 @@ def block_round_law(
     for i in range(num_slots + 1):
         tail = torch.prod(1 - h[i + 1 :]) if i < num_slots else torch.tensor(1.0, dtype=torch.float64)
         tau_probs[i] = h[i] * tail
-    dists = []
-    for i in range(num_slots + 1):
-        residual, target_row = _block_residual_rows(inputs, weights, torch.tensor([i]))
-        res = residual[0] if residual[0].sum() > 0 else target_row[0]
-        dists.append(res / res.sum())
-    return tau_probs, torch.stack(dists)
+    return tau_probs, _normalized_extra_laws(inputs, lambda inp, tau: _block_residual_rows(inp, weights, tau))

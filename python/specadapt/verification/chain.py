@@ -69,7 +69,6 @@ def chain_verify(
     )
     batch, num_slots = inputs.batch_size, inputs.num_slots
     device = inputs.target_probs.device
-    rows = torch.arange(batch, device=device)
     if num_slots > 0:
         p_tok = _gather(inputs.target_probs[:, :num_slots], inputs.drafts)
         q_tok = _gather(inputs.draft_probs, inputs.drafts)
@@ -79,17 +78,26 @@ def chain_verify(
     else:
         accept_len = torch.zeros(batch, dtype=torch.int64, device=device)
 
-    target_row = inputs.target_probs[rows, accept_len]  # [B, V]
-    rejected = accept_len < inputs.num_draft_tokens
-    if num_slots > 0:
-        draft_row = inputs.draft_probs[rows, accept_len.clamp(max=num_slots - 1)]
-        residual = torch.where(
-            rejected[:, None], (target_row - draft_row).clamp_min(0.0), target_row
-        )
-    else:
-        residual = target_row
+    residual, target_row = chain_residual_rows(inputs, accept_len)
     extra = sample_from_unnormalized(residual, target_row, inputs.uniforms_final)
     return _pack(inputs, accept_len, extra)
+
+
+def chain_residual_rows(inputs: VerifyInputs, accept_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unnormalised law of the extra token given ``tau`` and the target row it falls back to.
+
+    Returns:
+        ``(residual [B, V], target_row [B, V])`` float64: ``max(p - q, 0)`` at row ``tau`` after a rejection,
+        ``p(. | X^L)`` (bonus) when every live draft was accepted.
+    """
+    rows = torch.arange(inputs.batch_size, device=accept_len.device)
+    target_row = inputs.target_probs[rows, accept_len]
+    if inputs.num_slots == 0:
+        return target_row, target_row
+    rejected = accept_len < inputs.num_draft_tokens
+    draft_row = inputs.draft_probs[rows, accept_len.clamp(max=inputs.num_slots - 1)]
+    residual = torch.where(rejected[:, None], (target_row - draft_row).clamp_min(0.0), target_row)
+    return residual, target_row
 
 
 def _pack(inputs: VerifyInputs, accept_len: torch.Tensor, extra: torch.Tensor) -> VerifyOutput:
@@ -132,14 +140,14 @@ def chain_round_law(
         tau_probs[i] = reach * (1 - acc[i])
         reach = reach * acc[i]
     tau_probs[num_slots] = reach
+    return tau_probs, _normalized_extra_laws(inputs, chain_residual_rows)
+
+
+def _normalized_extra_laws(inputs: VerifyInputs, residual_rows) -> torch.Tensor:
+    """``[L+1, V]``: for each tau, the normalised law the extra token is sampled from (zero mass -> p)."""
     dists = []
-    for i in range(num_slots + 1):
-        p_row = inputs.target_probs[0, i]
-        if i < num_slots:
-            res = (p_row - inputs.draft_probs[0, i]).clamp_min(0.0)
-            if not res.sum() > 0:
-                res = p_row
-        else:
-            res = p_row
+    for i in range(inputs.num_slots + 1):
+        residual, target_row = residual_rows(inputs, torch.tensor([i]))
+        res = residual[0] if residual[0].sum() > 0 else target_row[0]
         dists.append(res / res.sum())
-    return tau_probs, torch.stack(dists)
+    return torch.stack(dists)

@@ -1,0 +1,37 @@
+"""Command line: ``specadapt <command> [options]`` (also ``python -m specadapt``).
+
+Commands:
+    generate    long-generation speculative decoding on benchmark prompts with the embedded engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .common import UsageError, OneLineErrorParser
+
+__all__ = ["main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import generate
+
+    parser = OneLineErrorParser(prog="specadapt", description=__doc__.split("\n")[0])
+    parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrorParser)
+    generate.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``specadapt`` console script. Returns the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.run(args) or 0)
+    except UsageError as exc:
+        print(f"specadapt {args.command}: error: {exc}", file=sys.stderr)
+        return 2

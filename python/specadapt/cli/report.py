@@ -1,0 +1,125 @@
+"""Results of ``specadapt generate``: the JSON document and the table printed at the end of a run.
+
+JSON layout::
+
+    {"config": {...},
+     "requests": [{"id", "prompt_tokens", "output_tokens", "rounds", "acceptance_length", "tokens_per_s",
+                   "acceptance_by_position": [{"start", "end", "rounds", "acceptance_length"}],
+                   "accept_rate_by_draft_position": [...], "ngram_repeat_rate", "finished_by_eos", "text"}],
+     "summary": {"acceptance_length", "tokens_per_s", "baseline_tokens_per_s", "speedup", "ngram_repeat_rate",
+                 "acceptance_by_position", "accept_rate_by_draft_position", "output_tokens", "rounds",
+                 "seconds", "baseline_seconds", "baseline_ngram_repeat_rate"}}
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+
+from ..engine.metrics import (
+    acceptance_by_position,
+    acceptance_length,
+    accept_rate_by_draft_position,
+    ngram_repeat_rate,
+)
+
+__all__ = ["build_report", "print_report", "write_json"]
+
+
+def _repeat_rate_over(results) -> float | None:
+    hits = total = 0
+    for res in results:
+        rate = ngram_repeat_rate(res.output_ids)
+        if rate is not None:
+            n = len(res.output_ids) - 3
+            hits += rate * n
+            total += n
+    return hits / total if total else None
+
+
+def build_report(config, prompts, tokenizer, results, seconds, base_results, base_seconds, edges, num_draft_tokens):
+    """Assemble the JSON-able report of one run (see the module docstring for the layout)."""
+    requests = []
+    for prompt, res in zip(prompts, results):
+        requests.append(
+            {
+                "id": prompt.id,
+                "prompt_tokens": res.prompt_tokens,
+                "output_tokens": len(res.output_ids),
+                "rounds": len(res.rounds),
+                "acceptance_length": acceptance_length(res.rounds),
+                "tokens_per_s": len(res.output_ids) / res.seconds if res.seconds > 0 else None,
+                "acceptance_by_position": acceptance_by_position(res.rounds, edges),
+                "accept_rate_by_draft_position": accept_rate_by_draft_position(res.rounds, num_draft_tokens),
+                "ngram_repeat_rate": ngram_repeat_rate(res.output_ids),
+                "finished_by_eos": res.finished_by_eos,
+                "text": tokenizer.decode(res.output_ids, skip_special_tokens=True),
+            }
+        )
+    all_rounds = [r for res in results for r in res.rounds]
+    out_tokens = sum(len(res.output_ids) for res in results)
+    tps = out_tokens / seconds if seconds > 0 else None
+    base_tps = None
+    if base_results is not None and base_seconds:
+        base_tps = sum(len(res.output_ids) for res in base_results) / base_seconds
+    summary = {
+        "acceptance_length": acceptance_length(all_rounds),
+        "tokens_per_s": tps,
+        "baseline_tokens_per_s": base_tps,
+        "speedup": tps / base_tps if tps and base_tps else None,
+        "ngram_repeat_rate": _repeat_rate_over(results),
+        "acceptance_by_position": acceptance_by_position(all_rounds, edges),
+        "accept_rate_by_draft_position": accept_rate_by_draft_position(all_rounds, num_draft_tokens),
+        "output_tokens": out_tokens,
+        "rounds": len(all_rounds),
+        "seconds": seconds,
+        "baseline_seconds": base_seconds,
+        "baseline_output_tokens": sum(len(r.output_ids) for r in base_results) if base_results else None,
+        "baseline_ngram_repeat_rate": _repeat_rate_over(base_results) if base_results else None,
+    }
+    config = dict(config, machine=f"{platform.machine()} {platform.processor() or ''}".strip())
+    return {"config": config, "requests": requests, "summary": summary}
+
+
+def _fmt(value, spec=".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_report(report: dict) -> None:
+    """Print a per-request table and the summary to stdout."""
+    header = f"{'id':>12} {'prompt':>7} {'output':>7} {'rounds':>7} {'acc.len':>8} {'tok/s':>8} {'repeat':>7}"
+    print()
+    print(header)
+    print("-" * len(header))
+    for req in report["requests"]:
+        print(
+            f"{str(req['id'])[:12]:>12} {req['prompt_tokens']:>7} {req['output_tokens']:>7} {req['rounds']:>7} "
+            f"{_fmt(req['acceptance_length']):>8} {_fmt(req['tokens_per_s'], '.1f'):>8} "
+            f"{_fmt(req['ngram_repeat_rate']):>7}"
+        )
+    s = report["summary"]
+    cfg = report["config"]
+    print()
+    print(
+        f"target {cfg['model']}  draft {cfg['draft']}  verify {cfg['verify']}  L={cfg['num_draft_tokens']}  "
+        f"T={cfg['temperature']}  top-p={cfg['top_p']}  batch={cfg['batch_size']}"
+    )
+    print(
+        f"acceptance length {_fmt(s['acceptance_length'])}  |  {_fmt(s['tokens_per_s'], '.1f')} tok/s  |  "
+        f"target-only {_fmt(s['baseline_tokens_per_s'], '.1f')} tok/s  |  speedup {_fmt(s['speedup'])}x  |  "
+        f"3-gram repeat rate {_fmt(s['ngram_repeat_rate'])}"
+    )
+    buckets = "  ".join(
+        f"[{b['start']},{b['end'] if b['end'] is not None else ''}): {_fmt(b['acceptance_length'])}"
+        for b in s["acceptance_by_position"]
+        if b["rounds"]
+    )
+    print(f"acceptance length by output position: {buckets}")
+
+
+def write_json(report: dict, path: str) -> None:
+    """Write the report as indented JSON, creating parent folders."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,1 @@
+"""Bundled benchmark prompts (see SOURCES.md beside this file for origin, commit and license)."""
