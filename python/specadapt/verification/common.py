@@ -125,7 +125,8 @@ def check_inputs(
     _require(slots >= 1, "candidates must have at least one slot (the last committed token)")
     _require(
         target_probs.dim() == 3 and target_probs.shape[:2] == (batch, slots),
-        f"target_probs must be [B, L+1, V] = [{batch}, {slots}, V], got {tuple(target_probs.shape)}",
+        f"target_probs must be [B, L+1, V] = [{batch}, {slots}, V] (B, L+1 from candidates), "
+        f"got {tuple(target_probs.shape)}",
     )
     vocab = target_probs.shape[2]
     _require(vocab >= 1, "target_probs has an empty vocabulary dimension")

@@ -1,0 +1,162 @@
+"""The batched speculative loop on tiny random Llama models: greedy exactness, EOS / length handling, drafts,
+and an end-to-end statistical losslessness test against the target's exact joint law."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from conftest import loaded, stub_tokenizer, tiny_llama
+from specadapt.engine import ModelDraft, NgramDraft, NoDraft, SpeculativeEngine, VocabularyMismatchError
+from specadapt.engine.drafts import check_same_vocabulary, self_draft
+from specadapt.engine.models import LoadedModel
+from specadapt.sampling import SamplingParams, logits_to_probs
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [7], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5], [1, 2]]
+
+
+def naive_greedy(model, prompt, n):
+    """Oracle: full forward without any cache, argmax each step."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+def _drafts(target, kind):
+    gen = torch.Generator().manual_seed(5)
+    if kind == "ngram":
+        return NgramDraft()
+    if kind == "self:1":
+        return ModelDraft(self_draft(target, 1), GREEDY, gen, "self:1")
+    other = tiny_llama(vocab=target.vocab_size, layers=1, seed=11)
+    return ModelDraft(other, GREEDY, gen, "standalone")
+
+
+@pytest.mark.parametrize("rule", ["chain", "block"])
+@pytest.mark.parametrize("kind", ["ngram", "self:1", "standalone"])
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_greedy_output_equals_target_only_greedy(tiny_target, rule, kind, batch_size):
+    n = 24
+    expected = [naive_greedy(tiny_target.model, p, n) for p in PROMPTS]
+    engine = SpeculativeEngine(tiny_target, _drafts(tiny_target, kind), GREEDY, 4, rule)
+    results = engine.generate(PROMPTS, n, batch_size=batch_size)
+    assert [r.output_ids for r in results] == expected
+    base = SpeculativeEngine(tiny_target, NoDraft(), GREEDY, 0, rule).generate(PROMPTS, n, batch_size=batch_size)
+    assert [r.output_ids for r in base] == expected
+    assert all(len(r.rounds) == n for r in base)
+    for res in results:
+        assert sum(r.emitted for r in res.rounds) == n
+        assert all(r.accepted <= r.num_drafted <= 4 for r in res.rounds)
+
+
+def test_self_draft_of_all_layers_accepts_everything_in_greedy(tiny_target):
+    draft = ModelDraft(self_draft(tiny_target, 2), GREEDY, torch.Generator(), "self:2")
+    res = SpeculativeEngine(tiny_target, draft, GREEDY, 3, "chain").generate(PROMPTS[:1], 17)[0]
+    assert all(r.accepted == r.num_drafted for r in res.rounds)
+    assert len(res.rounds) == 5  # 4 rounds of 3+1 tokens, then 1 token (max_new_tokens cap leaves no draft)
+
+
+def test_eos_ends_a_request_while_others_continue():
+    model = tiny_llama(seed=0)
+    free = [naive_greedy(model, p, 20) for p in PROMPTS]
+    eos = free[0][6]
+    target = loaded(model, eos=eos)
+    expected = []
+    for out in free:
+        expected.append(out[: out.index(eos) + 1] if eos in out else out)
+    results = SpeculativeEngine(target, NgramDraft(), GREEDY, 4, "block").generate(PROMPTS, 20, batch_size=4)
+    assert [r.output_ids for r in results] == expected
+    assert results[0].finished_by_eos and len(results[0].output_ids) == 7
+
+
+def test_max_new_tokens_per_request(tiny_target):
+    limits = [5, 0, 13, 1]
+    results = SpeculativeEngine(tiny_target, NgramDraft(), GREEDY, 4, "chain").generate(PROMPTS, limits, batch_size=4)
+    assert [len(r.output_ids) for r in results] == limits
+
+
+def test_engine_argument_errors(tiny_target):
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        SpeculativeEngine(tiny_target, NgramDraft(), GREEDY, -1)
+    with pytest.raises(ValueError, match="unknown verification rule"):
+        SpeculativeEngine(tiny_target, NgramDraft(), GREEDY, 2, "tree")
+    engine = SpeculativeEngine(tiny_target, NgramDraft(), GREEDY, 2)
+    with pytest.raises(ValueError, match="batch_size"):
+        engine.generate(PROMPTS, 3, batch_size=0)
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([[]], 3)
+
+
+def test_self_draft_owns_its_parameters(tiny_target):
+    draft = self_draft(tiny_target, 1)
+    assert len(draft.model.layers) == 1 and len(tiny_target.model.model.layers) == 2
+    target_ptrs = {p.data_ptr() for p in tiny_target.model.parameters()}
+    assert not target_ptrs & {p.data_ptr() for p in draft.parameters()}
+    with pytest.raises(ValueError, match="self:N"):
+        self_draft(tiny_target, 3)
+    with pytest.raises(ValueError, match="self:N"):
+        self_draft(tiny_target, 0)
+
+
+def test_vocabulary_mismatch_is_refused(tiny_target):
+    other = loaded(tiny_llama(vocab=33, layers=1))
+    with pytest.raises(VocabularyMismatchError, match="vocabulary of 33"):
+        check_same_vocabulary(tiny_target, other)
+    same_size = LoadedModel("remapped", tiny_llama(vocab=32, layers=1), stub_tokenizer(32))
+    same_size.tokenizer.get_vocab = lambda: {f"x{i}": i for i in range(32)}
+    with pytest.raises(VocabularyMismatchError, match="maps tokens"):
+        check_same_vocabulary(tiny_target, same_size)
+
+
+def _exact_joint(model, prompt, params, n):
+    V = model.config.vocab_size
+    joint = np.zeros((V,) * n)
+    with torch.no_grad():
+        for seq in itertools.product(range(V), repeat=n - 1):
+            logits = model(input_ids=torch.tensor([prompt + list(seq)])).logits[0, len(prompt) - 1 :]
+            probs = logits_to_probs(logits, params).double().numpy()
+            prefix_prob = np.prod([probs[i, t] for i, t in enumerate(seq)])
+            joint[seq] = prefix_prob * probs[n - 1]
+    return joint
+
+
+@pytest.mark.parametrize(
+    "rule,params,kind",
+    [
+        ("chain", SamplingParams(1.0), "self:1"),
+        ("block", SamplingParams(0.8, top_p=0.9), "self:1"),
+        ("block", SamplingParams(1.0, top_k=5), "ngram"),
+    ],
+)
+def test_sampled_output_follows_the_target_law(rule, params, kind):
+    """Chi-square of the first two emitted tokens over 4000 requests against the exact target joint law."""
+    model = tiny_llama(vocab=8, layers=2, seed=4, init_std=0.3)
+    target = loaded(model)
+    prompt = [1, 2, 3, 1, 2]
+    if kind == "self:1":
+        draft = ModelDraft(self_draft(target, 1), params, torch.Generator().manual_seed(2), kind)
+    else:
+        draft = NgramDraft(max_ngram=2)
+    engine = SpeculativeEngine(target, draft, params, 2, rule, seed=3)
+    n_req = 4000
+    results = engine.generate([prompt] * n_req, 3, batch_size=n_req)
+    assert any(r.rounds[0].accepted > 0 for r in results), "the draft never helped: the test would be vacuous"
+    joint = _exact_joint(model, prompt, params, 2)
+    counts = np.zeros_like(joint)
+    for r in results:
+        counts[tuple(r.output_ids[:2])] += 1
+    assert counts[joint == 0].sum() == 0, "a token of zero target probability was emitted"
+    expected = joint[joint > 0] * n_req
+    observed = counts[joint > 0]
+    keep = expected >= 5
+    obs = np.append(observed[keep], observed[~keep].sum())
+    exp = np.append(expected[keep], expected[~keep].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    _, pvalue = stats.chisquare(obs, exp * obs.sum() / exp.sum())
+    assert pvalue > 1e-4, f"chi-square p-value {pvalue:.2e}"

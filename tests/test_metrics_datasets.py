@@ -1,0 +1,80 @@
+"""Acceptance statistics, repeat rate, prompt lookup, and bundled datasets."""
+
+import json
+
+import numpy as np
+import pytest
+
+from specadapt.datasets import DatasetError, load_prompts
+from specadapt.engine.drafts import ngram_lookup
+from specadapt.engine.loop import RoundRecord
+from specadapt.engine.metrics import (
+    acceptance_by_position,
+    acceptance_length,
+    accept_rate_by_draft_position,
+    ngram_repeat_rate,
+)
+
+
+def test_acceptance_length_and_buckets():
+    rounds = [RoundRecord(0, 3, 2, 3), RoundRecord(3, 3, 0, 1), RoundRecord(600, 3, 3, 4)]
+    assert acceptance_length(rounds) == pytest.approx((3 + 1 + 4) / 3)
+    buckets = acceptance_by_position(rounds, (0, 512, 1024))
+    assert [b["rounds"] for b in buckets] == [2, 1, 0]
+    assert buckets[0]["acceptance_length"] == pytest.approx(2.0)
+    assert buckets[1]["acceptance_length"] == pytest.approx(4.0)
+    assert buckets[2]["end"] is None and buckets[2]["acceptance_length"] is None
+    assert acceptance_length([]) is None
+
+
+def test_accept_rate_by_draft_position():
+    rounds = [RoundRecord(0, 3, 2, 3), RoundRecord(3, 1, 0, 1), RoundRecord(4, 3, 3, 4)]
+    rates = accept_rate_by_draft_position(rounds, 4)
+    assert rates == [pytest.approx(2 / 3), 1.0, 0.5, None]
+
+
+def test_repeat_rate():
+    assert ngram_repeat_rate([1, 2, 3]) is None
+    assert ngram_repeat_rate([1, 2, 3, 4, 5, 6, 7]) == 0.0
+    loop = [1, 2, 3, 4] * 10
+    # Positions 3.. : the first pass of each 3-gram is new (positions 3), afterwards every position repeats.
+    rate = ngram_repeat_rate(loop)
+    assert rate == pytest.approx((len(loop) - 3 - 4) / (len(loop) - 3))
+    # the latest occurrence decides: 1 2 3 -> 9, then 1 2 3 -> 8, then 1 2 3 -> 8 (hit) but not 9
+    assert ngram_repeat_rate([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3, 8]) == pytest.approx(1 / 9)
+
+
+def test_ngram_lookup_prefers_longest_and_latest():
+    h = np.array([5, 1, 2, 3, 7, 8, 1, 2, 3, 9, 4, 2, 3])
+    # suffix (2, 3): 3-gram (4,2,3) absent... (x, 2, 3) -> longest match is n=2 "2 3": latest earlier at index 7
+    assert ngram_lookup(h, 3).tolist() == [9, 4, 2]
+    h = np.array([1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3])
+    assert ngram_lookup(h, 2).tolist() == [5, 1]
+    assert ngram_lookup(np.array([1, 2, 3]), 4).tolist() == []
+    assert ngram_lookup(np.array([7, 7]), 3).tolist() == [7]
+    assert ngram_lookup(h, 0).tolist() == []
+
+
+def test_bundled_datasets():
+    assert len(load_prompts("aime24")) == 30
+    assert len(load_prompts("math500")) == 500
+    assert len(load_prompts("livecodebench")) == 166
+    first = load_prompts("aime24", limit=2)
+    assert len(first) == 2 and "Aya" in first[0].text
+
+
+def test_jsonl_file_and_errors(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"question": "hi"}) + "\n\n" + json.dumps({"question": "there", "id": "b"}) + "\n")
+    prompts = load_prompts(str(f), prompt_field="question")
+    assert [p.text for p in prompts] == ["hi", "there"] and prompts[1].id == "b"
+    with pytest.raises(DatasetError, match="no field 'prompt'"):
+        load_prompts(str(f))
+    with pytest.raises(DatasetError, match="unknown dataset"):
+        load_prompts("aime25")
+    with pytest.raises(DatasetError, match="does not exist"):
+        load_prompts(str(tmp_path / "missing.jsonl"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    with pytest.raises(DatasetError, match="line 1"):
+        load_prompts(str(bad))

@@ -1,0 +1,45 @@
+"""The temperature / top-k / top-p transform shared by target and draft."""
+
+import pytest
+import torch
+
+from specadapt.sampling import SamplingParams, logits_to_probs
+
+
+def test_greedy_is_one_hot_on_the_first_argmax():
+    logits = torch.tensor([[0.0, 3.0, 3.0, 1.0]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=0.0))
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]
+
+
+def test_temperature_softmax():
+    logits = torch.randn(3, 10)
+    probs = logits_to_probs(logits, SamplingParams(temperature=0.5))
+    torch.testing.assert_close(probs, torch.softmax(logits / 0.5, -1))
+
+
+def test_top_k_keeps_k_tokens():
+    logits = torch.tensor([[1.0, 4.0, 3.0, 2.0, 0.0]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert (probs[0] > 0).tolist() == [False, True, True, False, False]
+    assert float(probs.sum()) == pytest.approx(1.0)
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    probs_in = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    probs = logits_to_probs(probs_in.log(), SamplingParams(temperature=1.0, top_p=0.8))
+    assert (probs[0] > 0).tolist() == [True, True, False, False]
+    torch.testing.assert_close(probs[0, :2], torch.tensor([0.625, 0.375]))
+    # top_p below the largest probability still keeps one token
+    probs = logits_to_probs(probs_in.log(), SamplingParams(temperature=1.0, top_p=0.1))
+    assert probs[0].tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [({"temperature": -0.1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k")],
+)
+def test_bad_params(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        SamplingParams(**kwargs)
