@@ -1,0 +1,106 @@
+"""`specadapt generate`: bad input gives one line naming the flag and exit code 2; a full run writes the JSON."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import WORDS, save_tiny_model_dir
+from specadapt.cli import main
+
+
+def _run(capsys, *argv):
+    try:
+        code = main(["generate", "--no-progress", *argv])
+    except SystemExit as exc:
+        code = exc.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--num-draft-tokens", "0"], "--num-draft-tokens"),
+        (["--temperature", "-1"], "--temperature"),
+        (["--top-p", "0"], "--top-p"),
+        (["--top-p", "1.5"], "--top-p"),
+        (["--batch-size", "0"], "--batch-size"),
+        (["--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--top-k", "-2"], "--top-k"),
+        (["--bucket-edges", "0,10,5"], "--bucket-edges"),
+        (["--dataset", "aime1999"], "--dataset"),
+        (["--dataset", "/nonexistent/prompts.jsonl"], "--dataset"),
+        (["--model", "gpt-17"], "--model"),
+        (["--model", "/nonexistent/model/dir"], "--model"),
+        (["--verify", "magic"], "--verify"),
+        (["--num-draft-tokens", "five"], "--num-draft-tokens"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(capsys, argv, flag):
+    code, _, err = _run(capsys, *argv)
+    assert code == 2
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert flag in lines[0]
+    assert "Traceback" not in err
+
+
+def test_bad_draft_specs(capsys, tiny_model_dir, tmp_path):
+    code, _, err = _run(capsys, "--model", str(tiny_model_dir), "--draft", "self:0", "--limit", "1")
+    assert code == 2 and "--draft" in err and "self:N" in err
+    code, _, err = _run(capsys, "--model", str(tiny_model_dir), "--draft", "self:9", "--limit", "1")
+    assert code == 2 and "--draft" in err
+    other = save_tiny_model_dir(tmp_path / "other", WORDS + ["extra", "words"], layers=1)
+    code, _, err = _run(capsys, "--model", str(tiny_model_dir), "--draft", str(other), "--limit", "1")
+    assert code == 2 and "--draft" in err and "vocabulary" in err
+
+
+def test_prompt_longer_than_context(capsys, tmp_path):
+    short = save_tiny_model_dir(tmp_path / "short_ctx", WORDS, max_positions=16)
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"prompt": " ".join(["the"] * 40)}) + "\n")
+    code, _, err = _run(capsys, "--model", str(short), "--dataset", str(data))
+    assert code == 2 and "--dataset" in err and "context" in err
+
+
+@pytest.mark.parametrize("draft,verify", [("ngram", "chain"), ("self:1", "block")])
+def test_generate_end_to_end_writes_json(capsys, tiny_model_dir, tmp_path, draft, verify):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"q": f"what is the sum of two and {w}"}) + "\n" for w in WORDS[:3]))
+    out = tmp_path / "run.json"
+    code, stdout, _ = _run(
+        capsys, "--model", str(tiny_model_dir), "--draft", draft, "--verify", verify, "--dataset", str(data),
+        "--prompt-field", "q", "--max-new-tokens", "40", "--batch-size", "2", "--baseline", "--json", str(out),
+        "--bucket-edges", "0,16,32",
+    )
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert set(report) == {"config", "requests", "summary"}
+    assert len(report["requests"]) == 3
+    req = report["requests"][0]
+    for key in ("id", "prompt_tokens", "output_tokens", "rounds", "acceptance_length", "tokens_per_s",
+                "acceptance_by_position", "accept_rate_by_draft_position", "text", "ngram_repeat_rate"):
+        assert key in req
+    assert [b["start"] for b in req["acceptance_by_position"]] == [0, 16, 32]
+    assert len(req["accept_rate_by_draft_position"]) == 5
+    s = report["summary"]
+    for key in ("acceptance_length", "tokens_per_s", "baseline_tokens_per_s", "speedup", "ngram_repeat_rate"):
+        assert s[key] is not None
+    assert s["speedup"] == pytest.approx(s["tokens_per_s"] / s["baseline_tokens_per_s"])
+    assert s["acceptance_length"] >= 1.0
+    assert report["config"]["draft"] == draft
+    assert "acceptance length" in stdout
+
+
+def test_python_dash_m_and_help():
+    proc = subprocess.run([sys.executable, "-m", "specadapt", "generate", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0
+    for flag in ("--model", "--draft", "--dataset", "--prompt-field", "--limit", "--max-new-tokens",
+                 "--temperature", "--top-p", "--top-k", "--num-draft-tokens", "--verify", "--batch-size",
+                 "--seed", "--baseline", "--json", "--bucket-edges", "--dtype"):
+        assert flag in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "specadapt", "generate", "--top-p", "2"], capture_output=True,
+                          text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "--top-p" in proc.stderr
