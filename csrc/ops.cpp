@@ -17,4 +17,16 @@ TORCH_LIBRARY(specadapt, m) {
   //   Z[n] = sum_v max(weights[n] * target_probs[n, v] - draft_probs[n, v], 0)
   // target_probs, draft_probs: [N, V] float32 or bfloat16 (same dtype); weights: [N] float32 -> [N] float32.
   m.def("block_residual_mass(Tensor target_probs, Tensor draft_probs, Tensor weights) -> Tensor");
+  // Single-path verification rules (specs/verification.md sections 1, 2 and 4). candidates [B, L+1] int64,
+  // target_probs [B, L+1, V] and draft_probs [B, L, V] float32/bfloat16, uniforms [B, L], uniforms_final [B],
+  // optional num_draft_tokens [B] -> (accept_len [B] int32, output_tokens [B, L+1] int32, padded with -1).
+  m.def("chain_verify(Tensor candidates, Tensor target_probs, Tensor draft_probs, Tensor uniforms, "
+        "Tensor uniforms_final, Tensor? num_draft_tokens=None) -> (Tensor, Tensor)");
+  m.def("block_verify(Tensor candidates, Tensor target_probs, Tensor draft_probs, Tensor uniforms, "
+        "Tensor uniforms_final, Tensor? num_draft_tokens=None) -> (Tensor, Tensor)");
+  // Greedy multi-path block verification (section 3): candidates [B, K, L+1], target_probs [B, K, L+1, V],
+  // draft_probs [B, K, L, V], uniforms [B, L], uniforms_final [B]
+  // -> (accept_len [B] int32, output_tokens [B, L+1] int32, chosen_path [B] int32).
+  m.def("gbv_verify(Tensor candidates, Tensor target_probs, Tensor draft_probs, Tensor uniforms, "
+        "Tensor uniforms_final) -> (Tensor, Tensor, Tensor)");
 }

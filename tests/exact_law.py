@@ -1,9 +1,9 @@
 """Exact output laws of speculative decoding on small vocabularies, for the losslessness oracle tests.
 
 Context-dependent target and draft tables ``p(. | u)``, ``q(. | u)`` (``u`` = tokens emitted so far) are drawn
-at random with some exact zeros. The law of the first ``n`` emitted tokens is computed by enumerating every draft
-path of every round and integrating the coins analytically with the rule's round law; it must equal the
-target's joint law ``prod_i p(t_i | t_<i)``.
+at random with some exact zeros. The law of the first ``n`` emitted tokens is computed by enumerating every
+draft path (every K-tuple of paths for GBV) of every round, integrating the coins analytically with the rule's
+round law; it must equal the target's joint law ``prod_i p(t_i | t_<i)``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ class RandomTables:
         self.seed = seed
         self.zero_fraction = zero_fraction
 
+    @lru_cache(maxsize=None)
     def _row(self, u: tuple, which: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed, which, len(u), *u])
         row = rng.dirichlet(np.full(self.vocab, 0.7))
@@ -38,6 +39,16 @@ class RandomTables:
     def q(self, u: tuple) -> np.ndarray:
         return self._row(u, 1)
 
+    def path_rows(self, u: tuple, path: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(P [L+1, V], Q [L, V])`` float64 along ``path`` after context ``u``."""
+        L = len(path)
+        P = torch.tensor(np.stack([self.p(u + path[:i]) for i in range(L + 1)]))
+        Q = torch.tensor(np.stack([self.q(u + path[:i]) for i in range(L)])).reshape(L, self.vocab)
+        return P, Q
+
+    def path_prob(self, u: tuple, path: tuple) -> float:
+        return float(np.prod([self.q(u + path[:i])[x] for i, x in enumerate(path)]))
+
 
 def target_joint(tables: RandomTables, n: int) -> np.ndarray:
     """``[V]*n`` array of ``prod_i p(t_i | t_<i)``."""
@@ -50,60 +61,81 @@ def target_joint(tables: RandomTables, n: int) -> np.ndarray:
     return out
 
 
-def speculative_law(tables: RandomTables, round_law, num_drafts: int, n: int) -> np.ndarray:
-    """``[V]*n`` law of the first ``n`` tokens emitted by repeated rounds of ``round_law`` with draft length L.
+def _add_outcomes(out: dict, weight: float, path: tuple, tau_probs, extra) -> None:
+    for tau in range(len(path) + 1):
+        if tau_probs[tau] == 0.0:
+            continue
+        for y in range(extra.shape[1]):
+            w = weight * float(tau_probs[tau]) * float(extra[tau, y])
+            if w > 0.0:
+                key = path[:tau] + (y,)
+                out[key] = out.get(key, 0.0) + w
 
-    ``round_law(target_probs [L+1, V], draft_probs [L, V], drafts [L]) -> (tau_probs [L+1], extra [L+1, V])``.
+
+def single_path_outcomes(tables: RandomTables, round_law, num_drafts: int, u: tuple = ()) -> dict[tuple, float]:
+    """Law of what ONE round emits after context ``u`` (a tuple of ``tau + 1`` tokens), one path drafted from q.
+
+    ``round_law(P [L+1, V], Q [L, V], drafts [L]) -> (tau_probs [L+1], extra [L+1, V])``.
     """
-    V = tables.vocab
+    out: dict[tuple, float] = {}
+    for path in itertools.product(range(tables.vocab), repeat=num_drafts):
+        q_path = tables.path_prob(u, path)
+        if q_path == 0.0:
+            continue
+        P, Q = tables.path_rows(u, path)
+        tau_probs, extra = round_law(P, Q, torch.tensor(path, dtype=torch.int64))
+        _add_outcomes(out, q_path, path, tau_probs.numpy(), extra.numpy())
+    return out
+
+
+def gbv_outcomes(tables: RandomTables, num_paths: int, num_drafts: int, u: tuple = ()) -> dict[tuple, float]:
+    """Law of what ONE GBV round emits: every K-tuple of i.i.d. paths, the walk, then block verification."""
+    from specadapt.verification.block import block_round_law
+    from specadapt.verification.gbv import gbv_select
+
+    paths = [p for p in itertools.product(range(tables.vocab), repeat=num_drafts) if tables.path_prob(u, p) > 0]
+    rows = {p: tables.path_rows(u, p) for p in paths}
+    out: dict[tuple, float] = {}
+    for combo in itertools.product(paths, repeat=num_paths):
+        weight = float(np.prod([tables.path_prob(u, p) for p in combo]))
+        drafts = torch.tensor(combo, dtype=torch.int64).reshape(num_paths, num_drafts)
+        P = torch.stack([rows[p][0] for p in combo])
+        Q = torch.stack([rows[p][1] for p in combo])
+        chosen, q_g = gbv_select(drafts, P, Q)
+        path = combo[chosen]
+        tau_probs, extra = block_round_law(rows[path][0], q_g, torch.tensor(path, dtype=torch.int64))
+        _add_outcomes(out, weight, path, tau_probs.numpy(), extra.numpy())
+    return out
+
+
+def multi_round_law(vocab: int, outcomes, n: int) -> np.ndarray:
+    """``[V]*n`` law of the first ``n`` tokens emitted by repeated rounds; ``outcomes(u) -> {emitted: prob}``."""
 
     @lru_cache(maxsize=None)
     def law(u: tuple, m: int) -> np.ndarray:
-        result = np.zeros((V,) * m)
         if m == 0:
             return np.ones(())
-        for path in itertools.product(range(V), repeat=num_drafts):
-            q_path = 1.0
-            for i, x in enumerate(path):
-                q_path *= tables.q(u + path[:i])[x]
-            if q_path == 0.0:
-                continue
-            P = torch.tensor(np.stack([tables.p(u + path[:i]) for i in range(num_drafts + 1)]))
-            Q = torch.tensor(np.stack([tables.q(u + path[:i]) for i in range(num_drafts)])).reshape(num_drafts, V)
-            tau_probs, extra = round_law(P, Q, torch.tensor(path, dtype=torch.int64))
-            tau_probs, extra = tau_probs.numpy(), extra.numpy()
-            for tau in range(num_drafts + 1):
-                if tau_probs[tau] == 0.0:
-                    continue
-                for y in range(V):
-                    w = q_path * tau_probs[tau] * extra[tau, y]
-                    if w == 0.0:
-                        continue
-                    emitted = path[:tau] + (y,)
-                    if len(emitted) >= m:
-                        result[emitted[:m]] += w
-                    else:
-                        result[emitted] += w * law(u + emitted, m - len(emitted))
+        result = np.zeros((vocab,) * m)
+        for emitted, w in outcomes(u).items():
+            if len(emitted) >= m:
+                result[emitted[:m]] += w
+            else:
+                result[emitted] += w * law(u + emitted, m - len(emitted))
         return result
 
     return law((), n)
 
 
+def speculative_law(tables: RandomTables, round_law, num_drafts: int, n: int) -> np.ndarray:
+    """Law of the first ``n`` tokens with a single-path rule of draft length L."""
+    return multi_round_law(tables.vocab, lambda u: single_path_outcomes(tables, round_law, num_drafts, u), n)
+
+
+def gbv_law(tables: RandomTables, num_paths: int, num_drafts: int, n: int) -> np.ndarray:
+    """Law of the first ``n`` tokens with GBV (K paths of length L)."""
+    return multi_round_law(tables.vocab, lambda u: gbv_outcomes(tables, num_paths, num_drafts, u), n)
+
+
 def round_outcome_law(tables: RandomTables, round_law, num_drafts: int) -> dict[tuple, float]:
-    """Law of what ONE round emits (a tuple of ``tau + 1`` tokens) from the empty context, drafts from q."""
-    V = tables.vocab
-    out: dict[tuple, float] = {}
-    for path in itertools.product(range(V), repeat=num_drafts):
-        q_path = float(np.prod([tables.q(path[:i])[x] for i, x in enumerate(path)]))
-        if q_path == 0.0:
-            continue
-        P = torch.tensor(np.stack([tables.p(path[:i]) for i in range(num_drafts + 1)]))
-        Q = torch.tensor(np.stack([tables.q(path[:i]) for i in range(num_drafts)])).reshape(num_drafts, V)
-        tau_probs, extra = round_law(P, Q, torch.tensor(path, dtype=torch.int64))
-        for tau in range(num_drafts + 1):
-            for y in range(V):
-                w = q_path * float(tau_probs[tau]) * float(extra[tau, y])
-                if w > 0:
-                    key = path[:tau] + (y,)
-                    out[key] = out.get(key, 0.0) + w
-    return out
+    """One-round outcome law from the empty context (kept for the Monte Carlo tests)."""
+    return single_path_outcomes(tables, round_law, num_drafts)

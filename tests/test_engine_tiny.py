@@ -160,3 +160,17 @@ def test_sampled_output_follows_the_target_law(rule, params, kind):
         obs, exp = obs[:-1], exp[:-1]
     _, pvalue = stats.chisquare(obs, exp * obs.sum() / exp.sum())
     assert pvalue > 1e-4, f"chi-square p-value {pvalue:.2e}"
+
+
+@pytest.mark.parametrize("rule", ["chain", "block"])
+def test_compiled_and_reference_verification_give_identical_runs(tiny_target, rule):
+    """Same seed, same coins: the fused kernel and the float64 reference produce the same sampled text."""
+    params = SamplingParams(1.0, top_p=0.95)
+    runs = []
+    for impl in ("compiled", "reference"):
+        draft = ModelDraft(self_draft(tiny_target, 1), params, torch.Generator().manual_seed(9), "self:1")
+        engine = SpeculativeEngine(tiny_target, draft, params, 3, rule, seed=4, verify_impl=impl)
+        runs.append([r.output_ids for r in engine.generate(PROMPTS, 30, batch_size=2)])
+    assert runs[0] == runs[1]
+    with pytest.raises(ValueError, match="verify_impl"):
+        SpeculativeEngine(tiny_target, NoDraft(), params, 0, rule, verify_impl="gpu")

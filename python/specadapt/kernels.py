@@ -12,11 +12,23 @@ import logging
 
 import torch
 
+from .verification import VERIFY_RULES, VerifyOutput
 from .verification.block import residual_mass_reference
+from .verification.gbv import GBVOutput, gbv_verify as gbv_verify_reference
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["extension_available", "extension_error", "block_residual_mass", "has_op_for"]
+__all__ = [
+    "extension_available",
+    "extension_error",
+    "block_residual_mass",
+    "has_op_for",
+    "verify",
+    "gbv_verify",
+    "IMPLEMENTATIONS",
+]
+
+IMPLEMENTATIONS = ("auto", "compiled", "reference")
 
 try:
     from . import _C  # noqa: F401  (import registers the ops)
@@ -44,6 +56,27 @@ if extension_available():
     def _block_residual_mass_fake(target_probs, draft_probs, weights):
         torch._check(target_probs.dim() == 2)
         return target_probs.new_empty((target_probs.shape[0],), dtype=torch.float32)
+
+    def _single_path_fake(candidates, target_probs, draft_probs, uniforms, uniforms_final, num_draft_tokens=None):
+        torch._check(candidates.dim() == 2)
+        batch, slots = candidates.shape
+        return (
+            candidates.new_empty((batch,), dtype=torch.int32),
+            candidates.new_empty((batch, slots), dtype=torch.int32),
+        )
+
+    torch.library.register_fake("specadapt::chain_verify")(_single_path_fake)
+    torch.library.register_fake("specadapt::block_verify")(_single_path_fake)
+
+    @torch.library.register_fake("specadapt::gbv_verify")
+    def _gbv_fake(candidates, target_probs, draft_probs, uniforms, uniforms_final):
+        torch._check(candidates.dim() == 3)
+        batch, _, slots = candidates.shape
+        return (
+            candidates.new_empty((batch,), dtype=torch.int32),
+            candidates.new_empty((batch, slots), dtype=torch.int32),
+            candidates.new_empty((batch,), dtype=torch.int32),
+        )
 
 
 def has_op_for(op_name: str, device: torch.device) -> bool:
@@ -88,3 +121,109 @@ def block_residual_mass(
         f"({extension_error() or 'not built for this device'}); using the PyTorch reference",
     )
     return residual_mass_reference(target_probs.float(), draft_probs.float(), weights.float())
+
+
+def _use_compiled(op_name: str, impl: str, probs: torch.Tensor) -> bool:
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
+    if impl == "reference":
+        return False
+    available = has_op_for(op_name, probs.device) and probs.dtype in (torch.float32, torch.bfloat16)
+    if impl == "compiled" and not available:
+        raise ValueError(
+            f"impl='compiled' but specadapt::{op_name} has no kernel for target_probs on {probs.device.type} "
+            f"as {probs.dtype} (kernels take float32 / bfloat16; {extension_error() or 'built devices only'})"
+        )
+    if not available:
+        _warn_once(
+            f"{op_name}:{probs.device.type}:{probs.dtype}",
+            f"specadapt::{op_name} has no compiled kernel for {probs.device.type} / {probs.dtype}; "
+            "using the float64 PyTorch reference",
+        )
+    return available
+
+
+def _check_finite_target(target_probs: torch.Tensor) -> None:
+    if not bool(torch.isfinite(target_probs).all()) or bool((target_probs < 0).any()):
+        raise ValueError("target_probs contains NaN, inf or negative entries")
+
+
+def _call_op(op, *args):
+    try:
+        return op(*args)
+    except RuntimeError as exc:  # TORCH_CHECK failures: same exception type as the reference
+        raise ValueError(str(exc).split("\n")[0]) from None
+
+
+def verify(
+    rule: str,
+    candidates: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    uniforms: torch.Tensor,
+    uniforms_final: torch.Tensor,
+    num_draft_tokens: torch.Tensor | None = None,
+    impl: str = "auto",
+    debug: bool = False,
+) -> VerifyOutput:
+    """Single-path verification (``chain`` or ``block``) with the fastest implementation available.
+
+    Same contract and the same tokens for the same coins as the float64 references in
+    :mod:`specadapt.verification` (``candidates [B, L+1] int64``, ``target_probs [B, L+1, V]``,
+    ``draft_probs [B, L, V]`` float32/bfloat16, ``uniforms [B, L]``, ``uniforms_final [B]``, optional
+    ``num_draft_tokens [B]``; returns ``accept_len [B] int32`` and ``output_tokens [B, L+1] int32``).
+
+    Args:
+        rule: ``chain`` or ``block``.
+        impl: ``auto`` (compiled kernel when one exists for the device and dtype, else the reference with a
+            logged warning), ``compiled`` (error if unavailable) or ``reference``.
+        debug: raise on NaN/inf/negative target probabilities.
+
+    Raises:
+        ValueError: unknown rule or impl, bad shapes/dtypes/ids/coins (the message names the argument).
+    """
+    if rule not in VERIFY_RULES:
+        raise ValueError(f"unknown verification rule {rule!r}; choose one of {sorted(VERIFY_RULES)}")
+    if not isinstance(target_probs, torch.Tensor):
+        raise TypeError(f"target_probs must be a torch.Tensor, got {type(target_probs).__name__}")
+    if not _use_compiled(f"{rule}_verify", impl, target_probs):
+        return VERIFY_RULES[rule](
+            candidates, target_probs, draft_probs, uniforms, uniforms_final, num_draft_tokens, debug=debug
+        )
+    if debug:
+        _check_finite_target(target_probs)
+    op = getattr(torch.ops.specadapt, f"{rule}_verify")
+    accept_len, output_tokens = _call_op(
+        op, candidates, target_probs, draft_probs, uniforms, uniforms_final, num_draft_tokens
+    )
+    return VerifyOutput(accept_len=accept_len, output_tokens=output_tokens)
+
+
+def gbv_verify(
+    candidates: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    uniforms: torch.Tensor,
+    uniforms_final: torch.Tensor,
+    impl: str = "auto",
+    debug: bool = False,
+) -> GBVOutput:
+    """Greedy multi-path block verification with the fastest implementation available.
+
+    Contract of :func:`specadapt.verification.gbv.gbv_verify`: ``candidates [B, K, L+1]``,
+    ``target_probs [B, K, L+1, V]``, ``draft_probs [B, K, L, V]``, ``uniforms [B, L]``, ``uniforms_final [B]``
+    -> ``accept_len [B]``, ``output_tokens [B, L+1]``, ``chosen_path [B]`` (int32).
+
+    Raises:
+        ValueError: as :func:`verify`.
+    """
+    if not isinstance(target_probs, torch.Tensor):
+        raise TypeError(f"target_probs must be a torch.Tensor, got {type(target_probs).__name__}")
+    if not _use_compiled("gbv_verify", impl, target_probs):
+        return gbv_verify_reference(candidates, target_probs, draft_probs, uniforms, uniforms_final, debug=debug)
+    if debug:
+        _check_finite_target(target_probs)
+    accept_len, output_tokens, chosen = _call_op(
+        torch.ops.specadapt.gbv_verify, candidates, target_probs, draft_probs, uniforms, uniforms_final
+    )
+    return GBVOutput(accept_len, output_tokens, chosen)

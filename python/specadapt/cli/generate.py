@@ -55,6 +55,10 @@ def add_parser(sub) -> None:
     p.add_argument("--top-k", type=int, default=d["top_k"], help="0 disables top-k")
     p.add_argument("--num-draft-tokens", type=int, default=d["num_draft_tokens"], help="L, drafts per round")
     p.add_argument("--verify", default=d["verify"], choices=["chain", "block"], help="verification rule")
+    p.add_argument(
+        "--verify-impl", default="auto", choices=["auto", "compiled", "reference"],
+        help="verification implementation: fused C++/CUDA kernel, float64 reference, or auto (kernel if built)",
+    )
     p.add_argument("--batch-size", type=int, default=d["batch_size"], help="requests decoded together")
     p.add_argument("--seed", type=int, default=d["seed"])
     p.add_argument("--dtype", default=d["dtype"], choices=["float32", "bfloat16"])
@@ -144,11 +148,15 @@ def run(args) -> int:
 
     torch.manual_seed(args.seed)
     _warm_up(target, draft)
-    spec_engine = SpeculativeEngine(target, draft, sampling, args.num_draft_tokens, args.verify, seed=args.seed)
+    spec_engine = SpeculativeEngine(
+        target, draft, sampling, args.num_draft_tokens, args.verify, seed=args.seed, verify_impl=args.verify_impl
+    )
     spec_results, spec_seconds = _timed(spec_engine, token_ids, limits, args, f"speculative ({args.draft})")
     base_results = base_seconds = None
     if args.baseline:
-        base_engine = SpeculativeEngine(target, NoDraft(), sampling, 0, args.verify, seed=args.seed)
+        base_engine = SpeculativeEngine(
+            target, NoDraft(), sampling, 0, args.verify, seed=args.seed, verify_impl=args.verify_impl
+        )
         base_results, base_seconds = _timed(base_engine, token_ids, limits, args, "target-only baseline")
 
     config = {k: v for k, v in vars(args).items() if k not in ("run", "command", "log_level", "no_progress")}

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from ..sampling import SamplingParams, logits_to_probs
+from .. import kernels
 from ..verification import get_rule
 from .drafts import Draft, _pad
 from .kv import RaggedKVCache
@@ -70,9 +71,11 @@ class SpeculativeEngine:
         num_draft_tokens: ``L``, the most drafts verified per request per round (>= 0).
         verify: ``chain`` or ``block``.
         seed: seeds the coins of verification (the draft carries its own generator).
+        verify_impl: ``auto`` (fused C++/CUDA kernel when available, else the float64 reference with a logged
+            warning), ``compiled`` or ``reference``; all give the same tokens for the same coins.
 
     Raises:
-        ValueError: ``num_draft_tokens < 0`` or an unknown verification rule.
+        ValueError: ``num_draft_tokens < 0``, an unknown verification rule or implementation.
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class SpeculativeEngine:
         num_draft_tokens: int,
         verify: str = "chain",
         seed: int = 0,
+        verify_impl: str = "auto",
     ) -> None:
         if num_draft_tokens < 0:
             raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
@@ -91,7 +95,10 @@ class SpeculativeEngine:
         self.sampling = sampling
         self.num_draft_tokens = num_draft_tokens
         self.verify_name = verify
-        self.verify = get_rule(verify)
+        get_rule(verify)  # validates the name
+        if verify_impl not in kernels.IMPLEMENTATIONS:
+            raise ValueError(f"verify_impl must be one of {kernels.IMPLEMENTATIONS}, got {verify_impl!r}")
+        self.verify_impl = verify_impl
         self.generator = torch.Generator().manual_seed(seed)
         self.eos_ids = target.eos_token_ids()
         self.vocab_size = target.vocab_size
@@ -161,13 +168,15 @@ class SpeculativeEngine:
             logits = kv.forward(candidates, n_draft + 1)
             target_probs = logits_to_probs(logits, self.sampling).cpu()
             batch = len(active)
-            out = self.verify(
+            out = kernels.verify(
+                self.verify_name,
                 candidates,
                 target_probs,
                 proposal.probs,
                 torch.rand(batch, width, generator=self.generator, dtype=torch.float64),
                 torch.rand(batch, generator=self.generator, dtype=torch.float64),
                 num_draft_tokens=n_draft,
+                impl=self.verify_impl,
             )
             accept_len = out.accept_len.to(torch.int64)
             kv.truncate(kv.lengths.cpu() - (n_draft - accept_len))

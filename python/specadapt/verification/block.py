@@ -105,6 +105,11 @@ def block_verify(
     inputs = check_inputs(
         candidates, target_probs, draft_probs, uniforms, uniforms_final, num_draft_tokens, debug
     )
+    return block_verify_checked(inputs)
+
+
+def block_verify_checked(inputs: VerifyInputs) -> VerifyOutput:
+    """Block verification on already validated float64 inputs (shared with GBV, which passes ``q_G`` rows)."""
     weights, thresholds = block_weights_and_thresholds(inputs)
     num_slots = inputs.num_slots
     passes = inputs.uniforms < thresholds  # strict: h = 0 never passes

@@ -1,0 +1,157 @@
+// Fused CPU kernel of greedy multi-path block verification, GBV (Thomas & Pal, arXiv 2602.16961;
+// specs/verification.md section 3). Per request: the walk down the tree of K i.i.d. paths ranks the vocabulary
+// by the key (p/q, token id) ascending (a sort per node; ratios in double order float32/bfloat16 inputs
+// exactly), builds q_G along the reached path, then runs block verification with q_G in place of q.
+// Requests run in parallel; each thread holds O(L * V) doubles of scratch, never a [B, L, V] tensor.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <limits>
+#include <numeric>
+#include <tuple>
+#include <vector>
+
+#include "verify_common.h"
+
+namespace specadapt {
+namespace cpu {
+namespace {
+
+// S_K(a, b) = sum_{i=0}^{K-1} a^i b^(K-1-i)
+inline double power_sum(double a, double b, int64_t K) {
+  double total = 0.0;
+  for (int64_t i = 0; i < K; ++i) total += std::pow(a, static_cast<double>(i)) * std::pow(b, static_cast<double>(K - 1 - i));
+  return total;
+}
+
+void check_gbv_args(const at::Tensor& candidates, const at::Tensor& target_probs, const at::Tensor& draft_probs,
+                    const at::Tensor& uniforms, const at::Tensor& uniforms_final) {
+  TORCH_CHECK(candidates.dim() == 3, "candidates must be [B, K, L+1] for GBV, got ", candidates.sizes());
+  TORCH_CHECK(candidates.scalar_type() == at::kLong || candidates.scalar_type() == at::kInt,
+              "candidates must be int64 or int32, got ", candidates.scalar_type());
+  const int64_t B = candidates.size(0), K = candidates.size(1), slots = candidates.size(2), L = slots - 1;
+  TORCH_CHECK(K >= 1 && slots >= 1, "candidates must hold K >= 1 paths of L+1 >= 1 slots");
+  TORCH_CHECK(target_probs.dim() == 4 && target_probs.size(0) == B && target_probs.size(1) == K &&
+                  target_probs.size(2) == slots,
+              "target_probs must be [B, K, L+1, V] = [", B, ", ", K, ", ", slots, ", V], got ", target_probs.sizes());
+  const int64_t V = target_probs.size(3);
+  TORCH_CHECK(draft_probs.dim() == 4 && draft_probs.size(0) == B && draft_probs.size(1) == K &&
+                  draft_probs.size(2) == L && draft_probs.size(3) == V,
+              "draft_probs must be [B, K, L, V] = [", B, ", ", K, ", ", L, ", ", V, "], got ", draft_probs.sizes());
+  TORCH_CHECK(target_probs.scalar_type() == at::kFloat || target_probs.scalar_type() == at::kBFloat16,
+              "target_probs must be float32 or bfloat16, got ", target_probs.scalar_type());
+  TORCH_CHECK(draft_probs.scalar_type() == target_probs.scalar_type(), "draft_probs dtype must match target_probs");
+  TORCH_CHECK(uniforms.dim() == 2 && uniforms.size(0) == B && uniforms.size(1) == L, "uniforms must be [B, L] = [", B,
+              ", ", L, "], got ", uniforms.sizes());
+  TORCH_CHECK(uniforms_final.dim() == 1 && uniforms_final.size(0) == B, "uniforms_final must be [B] = [", B,
+              "], got ", uniforms_final.sizes());
+  TORCH_CHECK(uniforms.is_floating_point() && uniforms_final.is_floating_point(),
+              "uniforms and uniforms_final must be floating tensors");
+}
+
+template <typename scalar_t>
+void gbv_request(int64_t b, int64_t K, int64_t L, int64_t V, const int64_t* cand_all, const scalar_t* p_all,
+                 const scalar_t* q_all, const double* u_all, const double* uf_all, int32_t* acc, int32_t* tok,
+                 int32_t* chosen_out) {
+  const int64_t* cand = cand_all + b * K * (L + 1);
+  const scalar_t* p = p_all + b * K * (L + 1) * V;
+  const scalar_t* q = q_all + b * K * L * V;
+  std::vector<double> q_g(static_cast<size_t>(L * V));
+  std::vector<double> ratio(V), cum(V);
+  std::vector<int64_t> order(V), rank(V);
+  std::vector<char> consistent(K, 1);
+  double r = 0.0;
+  for (int64_t d = 0; d < L; ++d) {
+    int64_t k0 = 0;
+    while (!consistent[k0]) ++k0;
+    const scalar_t* prow = p + (k0 * (L + 1) + d) * V;
+    const scalar_t* qrow = q + (k0 * L + d) * V;
+    for (int64_t v = 0; v < V; ++v) {
+      const double qv = clean(qrow[v]);
+      ratio[v] = qv > 0.0 ? clean(prow[v]) / qv : std::numeric_limits<double>::infinity();
+    }
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(), [&](int64_t a, int64_t c) {
+      return ratio[a] < ratio[c] || (ratio[a] == ratio[c] && a < c);
+    });
+    double run = 0.0;
+    for (int64_t j = 0; j < V; ++j) {
+      run += clean(qrow[order[j]]);
+      cum[order[j]] = run;
+      rank[order[j]] = j;
+    }
+    const double denom = power_sum(r + 1.0, r, K);
+    double* g = q_g.data() + d * V;
+    for (int64_t v = 0; v < V; ++v) {
+      const double qv = clean(qrow[v]);
+      g[v] = qv > 0.0 ? qv * power_sum(r + cum[v], r + cum[v] - qv, K) / denom : 0.0;
+    }
+    int64_t child = -1;
+    for (int64_t k = 0; k < K; ++k) {
+      if (!consistent[k]) continue;
+      const int64_t x = cand[k * (L + 1) + d + 1];
+      if (child < 0 || rank[x] > rank[child]) child = x;
+    }
+    const double qt = clean(qrow[child]);
+    TORCH_CHECK(qt > 0.0, "draft_probs gives zero probability to drafted token ", child, " at depth ", d,
+                ": GBV paths must be sampled from q");
+    r = (r + cum[child] - qt) / qt;
+    for (int64_t k = 0; k < K; ++k) consistent[k] = consistent[k] && cand[k * (L + 1) + d + 1] == child;
+  }
+  int64_t chosen = 0;
+  while (!consistent[chosen]) ++chosen;
+  int64_t tau = 0;
+  const int64_t* drafts = cand + chosen * (L + 1) + 1;
+  const int64_t extra =
+      block_on_path(drafts, p + chosen * (L + 1) * V, q_g.data(), u_all + b * L, uf_all[b], L, V, &tau);
+  TORCH_CHECK(extra >= 0, "target_probs has a row with zero total mass: nothing can be sampled");
+  acc[b] = static_cast<int32_t>(tau);
+  chosen_out[b] = static_cast<int32_t>(chosen);
+  for (int64_t i = 0; i < tau; ++i) tok[b * (L + 1) + i] = static_cast<int32_t>(drafts[i]);
+  tok[b * (L + 1) + tau] = static_cast<int32_t>(extra);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gbv_verify_cpu(const at::Tensor& candidates,
+                                                              const at::Tensor& target_probs,
+                                                              const at::Tensor& draft_probs,
+                                                              const at::Tensor& uniforms,
+                                                              const at::Tensor& uniforms_final) {
+  check_gbv_args(candidates, target_probs, draft_probs, uniforms, uniforms_final);
+  const int64_t B = candidates.size(0), K = candidates.size(1), L = candidates.size(2) - 1, V = target_probs.size(3);
+  const auto cand = candidates.to(at::kLong).contiguous();
+  const auto p = target_probs.contiguous();
+  const auto q = draft_probs.contiguous();
+  const auto u = uniforms.to(at::kDouble).contiguous();
+  const auto uf = uniforms_final.to(at::kDouble).contiguous();
+  const int64_t* c = cand.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * K * (L + 1); ++i) {
+    if (i % (L + 1) == 0) continue;
+    TORCH_CHECK(c[i] >= 0 && c[i] < V, "candidates holds draft token ids outside [0, V) = [0, ", V, ")");
+  }
+  TORCH_CHECK(((u >= 0) & (u < 1)).all().item<bool>(), "uniforms must lie in [0, 1)");
+  TORCH_CHECK(((uf >= 0) & (uf < 1)).all().item<bool>(), "uniforms_final must lie in [0, 1)");
+  auto opts = candidates.options().dtype(at::kInt);
+  auto accept_len = at::zeros({B}, opts);
+  auto output_tokens = at::full({B, L + 1}, -1, opts);
+  auto chosen_path = at::zeros({B}, opts);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, p.scalar_type(), "gbv_verify_cpu", [&] {
+    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        gbv_request<scalar_t>(b, K, L, V, c, p.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), u.data_ptr<double>(),
+                              uf.data_ptr<double>(), accept_len.data_ptr<int32_t>(), output_tokens.data_ptr<int32_t>(),
+                              chosen_path.data_ptr<int32_t>());
+      }
+    });
+  });
+  return {accept_len, output_tokens, chosen_path};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(specadapt, CPU, m) { m.impl("gbv_verify", &gbv_verify_cpu); }
+
+}  // namespace cpu
+}  // namespace specadapt

@@ -1,0 +1,112 @@
+// Per-request building blocks of the fused CPU verification kernels (chain, block, GBV).
+// All arithmetic on probabilities is in double: the float64 PyTorch reference is the oracle, and computing
+// the decisions in the same precision makes the kernels return the SAME tokens for the same coins.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace specadapt {
+namespace cpu {
+
+// NaN / inf / negative probabilities count as 0 (specs/verification.md section 5).
+template <typename T>
+inline double clean(T x) {
+  const double v = static_cast<double>(x);
+  return (std::isfinite(v) && v > 0.0) ? v : 0.0;
+}
+
+// p/q with the q = 0 rule (spec section 5): ratio 1 if p > 0, else 0. Not capped: block verification caps
+// the running product w_i = min(1, w_{i-1} * p/q), not each factor.
+inline double draft_ratio(double p, double q) {
+  if (q > 0.0) return p / q;
+  return p > 0.0 ? 1.0 : 0.0;
+}
+
+// sum_v max(w * p[v] - q[v], 0), q given as a row of T or of double.
+template <typename T, typename Q>
+inline double residual_mass(const T* p, const Q* q, double w, int64_t vocab) {
+  double acc = 0.0;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t v = 0; v < vocab; ++v) {
+    const double d = w * clean(p[v]) - clean(q[v]);
+    acc += d > 0.0 ? d : 0.0;
+  }
+  return acc;
+}
+
+inline double row_mass(const double* w, int64_t vocab) {
+  double acc = 0.0;
+  for (int64_t v = 0; v < vocab; ++v) acc += w[v];
+  return acc;
+}
+
+// Inverse CDF over the unnormalised residual max(w * p - q, 0) (or p itself when q == nullptr). Picks the
+// smallest index whose running sum exceeds u * mass; a zero-mass residual falls back to sampling p.
+// Returns -1 only if p has no mass either.
+template <typename T, typename Q>
+inline int64_t sample_residual(const T* p, const Q* q, double w, double u, int64_t vocab) {
+  double mass = 0.0;
+  if (q != nullptr) {
+    for (int64_t v = 0; v < vocab; ++v) {
+      const double d = w * clean(p[v]) - clean(q[v]);
+      mass += d > 0.0 ? d : 0.0;
+    }
+  }
+  const bool use_p = q == nullptr || !(mass > 0.0) || !std::isfinite(mass);
+  if (use_p) {
+    mass = 0.0;
+    for (int64_t v = 0; v < vocab; ++v) mass += clean(p[v]);
+    if (!(mass > 0.0)) return -1;
+  }
+  const double threshold = u * mass;
+  double run = 0.0;
+  int64_t last_positive = -1;
+  for (int64_t v = 0; v < vocab; ++v) {
+    double x;
+    if (use_p) {
+      x = clean(p[v]);
+    } else {
+      const double d = w * clean(p[v]) - clean(q[v]);
+      x = d > 0.0 ? d : 0.0;
+    }
+    if (x > 0.0) {
+      last_positive = v;
+      run += x;
+      if (run > threshold) return v;
+    }
+  }
+  return last_positive;
+}
+
+// Block verification of one path (n live drafts). p: (n+1) rows of V, q: n rows of V (T or double).
+// Returns the extra token (-1 if p has no mass) and writes tau.
+template <typename T, typename Q>
+inline int64_t block_on_path(const int64_t* drafts, const T* p, const Q* q, const double* u, double uf, int64_t n,
+                      int64_t V, int64_t* tau_out) {
+  std::vector<double> w(n + 1, 1.0);
+  int64_t tau = 0;
+  for (int64_t i = 1; i <= n; ++i) {
+    const int64_t x = drafts[i - 1];
+    const double ratio = draft_ratio(clean(p[(i - 1) * V + x]), clean(q[(i - 1) * V + x]));
+    const double wi = std::min(1.0, w[i - 1] * ratio);
+    w[i] = wi;
+    double h;
+    if (i < n) {
+      const double z = residual_mass(p + i * V, q + i * V, wi, V);
+      const double denom = z + 1.0 - wi;
+      h = denom > 0.0 ? z / denom : 1.0;
+    } else {
+      h = wi;
+    }
+    h = std::min(1.0, std::max(0.0, h));
+    if (u[i - 1] < h) tau = i;  // tau = the LAST index whose coin passes
+  }
+  *tau_out = tau;
+  if (tau < n) return sample_residual(p + tau * V, q + tau * V, w[tau], uf, V);
+  return sample_residual<T, T>(p + tau * V, nullptr, 1.0, uf, V);
+}
+
+}  // namespace cpu
+}  // namespace specadapt

@@ -1,0 +1,221 @@
+"""Fused C++ verification kernels (chain, block, GBV) against the float64 references.
+
+Same coins -> same tokens on random inputs (float32 and bfloat16, ragged rows, zeros from top-k);
+Monte Carlo chi-square (1e6 rounds, fixed seeds) of the fused kernels against the exact one-round law;
+bad input raises ValueError naming the argument; opcheck of the registered ops.
+"""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from exact_law import RandomTables, gbv_outcomes, single_path_outcomes
+from specadapt import kernels
+from specadapt.verification import ROUND_LAWS, VERIFY_RULES
+from specadapt.verification.gbv import gbv_verify as gbv_reference
+
+pytestmark = pytest.mark.skipif(not kernels.has_op_for("chain_verify", torch.device("cpu")),
+                                reason="specadapt._C not built")
+
+
+def _random_batch(B, L, V, seed, dtype=torch.float32, sparse=True, K=None):
+    g = torch.Generator().manual_seed(seed)
+    lead = (B,) if K is None else (B, K)
+    logits_p = torch.randn(*lead, L + 1, V, generator=g) * 2
+    logits_q = logits_p[..., :L, :] + torch.randn(*lead, L, V, generator=g)
+    if sparse:  # exact zeros as top-k produces them
+        logits_p = logits_p.masked_fill(torch.rand(logits_p.shape, generator=g) < 0.3, float("-inf"))
+        logits_q = logits_q.masked_fill(torch.rand(logits_q.shape, generator=g) < 0.3, float("-inf"))
+        logits_p[..., 0] = 0.0
+        logits_q[..., 0] = 0.0
+    p = torch.softmax(logits_p, -1).to(dtype)
+    q = torch.softmax(logits_q, -1).to(dtype)
+    drafts = torch.multinomial(q.float().reshape(-1, V), 1, generator=g).reshape(*lead, L)
+    cand = torch.cat([torch.randint(0, V, (*lead, 1), generator=g), drafts], dim=-1)
+    u = torch.rand(B, L, generator=g, dtype=torch.float64)
+    uf = torch.rand(B, generator=g, dtype=torch.float64)
+    return cand, p, q, u, uf
+
+
+@pytest.mark.parametrize("rule", ["chain", "block"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,L,V", [(1, 1, 2), (7, 3, 5), (64, 4, 33), (16, 8, 1000), (4, 0, 10)])
+def test_single_path_kernels_equal_reference(rule, dtype, B, L, V):
+    for seed in range(3):
+        cand, p, q, u, uf = _random_batch(B, L, V, seed, dtype)
+        n = torch.randint(0, L + 1, (B,), generator=torch.Generator().manual_seed(seed))
+        for num in (None, n):
+            ref = VERIFY_RULES[rule](cand, p, q, u, uf, num)
+            got = kernels.verify(rule, cand, p, q, u, uf, num, impl="compiled")
+            assert torch.equal(got.accept_len, ref.accept_len)
+            assert torch.equal(got.output_tokens, ref.output_tokens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,K,L,V", [(5, 1, 2, 6), (8, 2, 3, 9), (6, 3, 2, 50), (3, 4, 4, 300)])
+def test_gbv_kernel_equals_reference(dtype, B, K, L, V):
+    for seed in range(3):
+        cand, p, q, u, uf = _tree_batch(B, K, L, V, 100 + seed, dtype)
+        ref = gbv_reference(cand, p, q, u, uf)
+        got = kernels.gbv_verify(cand, p, q, u, uf, impl="compiled")
+        assert torch.equal(got.accept_len, ref.accept_len)
+        assert torch.equal(got.output_tokens, ref.output_tokens)
+        assert torch.equal(got.chosen_path, ref.chosen_path)
+
+
+def _tree_batch(B, K, L, V, seed, dtype):
+    """K paths per request drawn from q as a tree: paths that share a prefix share the p / q rows below it."""
+    cand, p, q, u, uf = _random_batch(B, L, V, seed, torch.float32, K=K)
+    g = torch.Generator().manual_seed(seed + 1)
+    for b in range(B):
+        for k in range(K):
+            for d in range(L):
+                prefix = cand[b, k, 1 : d + 1].tolist()
+                twin = next((j for j in range(k) if cand[b, j, 1 : d + 1].tolist() == prefix), None)
+                if twin is not None:
+                    p[b, k, d] = p[b, twin, d]
+                    q[b, k, d] = q[b, twin, d]
+                else:  # a peaked q puts most mass on few tokens, so paths often merge
+                    q[b, k, d] = q[b, k, d] ** 3 / (q[b, k, d] ** 3).sum()
+                cand[b, k, d + 1] = int(torch.multinomial(q[b, k, d], 1, generator=g))
+            prefix = cand[b, k, 1:].tolist()
+            twin = next((j for j in range(k) if cand[b, j, 1:].tolist() == prefix), None)
+            if twin is not None:
+                p[b, k, L] = p[b, twin, L]
+    return cand, p.to(dtype), q.to(dtype), u, uf
+
+
+def _chi_square(outputs, accept, exact, rounds):
+    counts: dict[tuple, int] = {}
+    for row, tau in zip(outputs.tolist(), accept.tolist()):
+        key = tuple(row[: tau + 1])
+        counts[key] = counts.get(key, 0) + 1
+    assert set(counts) <= set(exact), "an outcome of zero probability was emitted"
+    keys = sorted(exact)
+    observed = np.array([counts.get(k, 0) for k in keys], dtype=np.float64)
+    expected = np.array([exact[k] for k in keys]) * rounds
+    small = expected < 5
+    obs = np.append(observed[~small], observed[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+def _paths_batch(tables, L, K, rounds, seed):
+    """K i.i.d. paths per round from the context-free tables, with the p / q rows along each path."""
+    V = tables.vocab
+    paths = list(itertools.product(range(V), repeat=L))
+    weights = np.array([tables.path_prob((), p) for p in paths])
+    rng = np.random.default_rng(seed)
+    idx = rng.choice(len(paths), size=(rounds, K), p=weights / weights.sum())
+    P = np.stack([tables.path_rows((), p)[0].numpy() for p in paths]).astype(np.float32)
+    Q = np.stack([tables.path_rows((), p)[1].numpy() for p in paths]).astype(np.float32)
+    cand = np.concatenate([np.zeros((len(paths), 1), dtype=np.int64), np.array(paths)], axis=1)
+    return torch.from_numpy(cand[idx]), torch.from_numpy(P[idx]), torch.from_numpy(Q[idx])
+
+
+def _float32_tables(tables):
+    """The law must be computed from the float32-rounded rows the kernel sees."""
+    class Rounded(RandomTables):
+        def _row(self, u, which):
+            row = RandomTables._row(self, u, which).astype(np.float32).astype(np.float64)
+            return row
+
+    return Rounded(tables.vocab, tables.seed, tables.zero_fraction)
+
+
+@pytest.mark.parametrize("rule", ["chain", "block"])
+def test_single_path_kernel_chi_square_1e6(rule):
+    rounds, L = 1_000_000, 2
+    tables = _float32_tables(RandomTables(4, seed=31))
+    cand, P, Q = _paths_batch(tables, L, 1, rounds, seed=7)
+    g = torch.Generator().manual_seed(8)
+    out = kernels.verify(rule, cand[:, 0], P[:, 0], Q[:, 0], torch.rand(rounds, L, generator=g, dtype=torch.float64),
+                         torch.rand(rounds, generator=g, dtype=torch.float64), impl="compiled")
+    exact = single_path_outcomes(tables, ROUND_LAWS[rule], L)
+    assert _chi_square(out.output_tokens, out.accept_len, exact, rounds) > 1e-4
+
+
+@pytest.mark.parametrize("K", [2, 3])
+def test_gbv_kernel_chi_square_1e6(K):
+    rounds, L = 1_000_000, 2
+    tables = _float32_tables(RandomTables(3, seed=41))
+    cand, P, Q = _paths_batch(tables, L, K, rounds, seed=9)
+    g = torch.Generator().manual_seed(10)
+    out = kernels.gbv_verify(cand, P, Q, torch.rand(rounds, L, generator=g, dtype=torch.float64),
+                             torch.rand(rounds, generator=g, dtype=torch.float64), impl="compiled")
+    exact = gbv_outcomes(tables, K, L)
+    assert _chi_square(out.output_tokens, out.accept_len, exact, rounds) > 1e-4
+
+
+def test_chi_square_detects_a_biased_sampler():
+    """The statistical test can fail: block decisions fed chain's law are rejected."""
+    rounds, L = 200_000, 2
+    tables = _float32_tables(RandomTables(4, seed=31))
+    cand, P, Q = _paths_batch(tables, L, 1, rounds, seed=7)
+    g = torch.Generator().manual_seed(8)
+    out = kernels.verify("block", cand[:, 0], P[:, 0], Q[:, 0], torch.rand(rounds, L, generator=g, dtype=torch.float64),
+                         torch.rand(rounds, generator=g, dtype=torch.float64), impl="compiled")
+    exact = single_path_outcomes(tables, ROUND_LAWS["chain"], L)
+    assert _chi_square(out.output_tokens, out.accept_len, exact, rounds) < 1e-6
+
+
+@pytest.mark.parametrize("rule", ["chain", "block"])
+def test_kernel_bad_inputs(rule):
+    cand, p, q, u, uf = _random_batch(3, 2, 6, 0)
+    cases = [
+        ((cand[:, :2], p, q, u, uf), "candidates"),
+        ((cand, p[:, :, :5], q, u, uf), "draft_probs"),
+        ((cand, p.double(), q.double(), u, uf), "target_probs"),
+        ((cand, p, q.bfloat16(), u, uf), "draft_probs"),
+        ((cand, p, q, u[:, :1], uf), "uniforms"),
+        ((cand, p, q, u, uf[:2]), "uniforms_final"),
+        ((cand.float(), p, q, u, uf), "candidates"),
+    ]
+    bad_id = cand.clone()
+    bad_id[1, 2] = 6
+    cases.append(((bad_id, p, q, u, uf), "outside"))
+    bad_u = u.clone()
+    bad_u[0, 0] = 1.0
+    cases.append(((cand, p, q, bad_u, uf), "uniforms"))
+    for args, needle in cases:
+        with pytest.raises(ValueError, match=needle):
+            kernels.verify(rule, *args, impl="compiled")
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        kernels.verify(rule, cand, p, q, u, uf, torch.tensor([0, 3, 1]), impl="compiled")
+    nan_p = p.clone()
+    nan_p[0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="target_probs"):
+        kernels.verify(rule, cand, nan_p, q, u, uf, impl="compiled", debug=True)
+    # outside debug mode NaN counts as zero, exactly as in the reference
+    ref = VERIFY_RULES[rule](cand, nan_p, q, u, uf)
+    got = kernels.verify(rule, cand, nan_p, q, u, uf, impl="compiled")
+    assert torch.equal(ref.output_tokens, got.output_tokens)
+
+
+def test_dispatch_choices(caplog):
+    cand, p, q, u, uf = _random_batch(2, 2, 5, 0)
+    with pytest.raises(ValueError, match="impl"):
+        kernels.verify("chain", cand, p, q, u, uf, impl="fast")
+    with pytest.raises(ValueError, match="unknown verification rule"):
+        kernels.verify("tree", cand, p, q, u, uf)
+    kernels._warned.clear()
+    with caplog.at_level("WARNING"):
+        out = kernels.verify("block", cand, p.double(), q.double(), u, uf)  # float64 has no kernel
+    assert "reference" in caplog.text and out.output_tokens.shape == (2, 3)
+    with pytest.raises(ValueError, match="compiled"):
+        kernels.verify("block", cand, p.double(), q.double(), u, uf, impl="compiled")
+
+
+def test_opcheck_verify_ops():
+    cand, p, q, u, uf = _random_batch(3, 2, 7, 0)
+    utils = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+    for op in (torch.ops.specadapt.chain_verify.default, torch.ops.specadapt.block_verify.default):
+        torch.library.opcheck(op, (cand, p, q, u, uf), test_utils=utils)
+        torch.library.opcheck(op, (cand, p, q, u, uf, torch.tensor([2, 0, 1])), test_utils=utils)
+    cand, p, q, u, uf = _tree_batch(3, 2, 2, 7, 0, torch.float32)
+    torch.library.opcheck(torch.ops.specadapt.gbv_verify.default, (cand, p, q, u, uf), test_utils=utils)
