@@ -174,3 +174,88 @@ def test_compiled_and_reference_verification_give_identical_runs(tiny_target, ru
     assert runs[0] == runs[1]
     with pytest.raises(ValueError, match="verify_impl"):
         SpeculativeEngine(tiny_target, NoDraft(), params, 0, rule, verify_impl="gpu")
+
+
+def test_build_token_tree_merges_shared_prefixes():
+    from specadapt.engine.loop import build_token_tree
+
+    tokens = torch.tensor([[[5, 6, 7], [5, 6, 8], [9, 6, 7]]])  # K = 3, L = 3
+    tree = build_token_tree(tokens)
+    # root, depth 1: 5, 9; depth 2: (5,6), (9,6); depth 3: (5,6,7), (5,6,8), (9,6,7)
+    assert int(tree.num_nodes[0]) == 8
+    assert tree.node_tokens[0, 1:8].tolist() == [5, 9, 6, 6, 7, 8, 7]
+    assert tree.depth[0].tolist() == [0, 1, 1, 2, 2, 3, 3, 3]
+    assert tree.path_slots[0].tolist() == [[0, 1, 3, 5], [0, 1, 3, 6], [0, 2, 4, 7]]
+    # slot 6 = (5,6,8) attends to root, 5, (5,6) and itself only
+    assert tree.ancestor_mask[0, 6].nonzero().flatten().tolist() == [0, 1, 3, 6]
+
+
+def test_tree_attention_logits_equal_path_forwards():
+    from specadapt.engine.kv import RaggedKVCache
+    from specadapt.engine.loop import build_token_tree
+
+    model = tiny_llama(vocab=32, layers=2, seed=6)
+    prompt = [3, 4, 5, 6]
+    tokens = torch.tensor([[[1, 2, 3], [1, 7, 3], [8, 2, 2]]])
+    tree = build_token_tree(tokens)
+    cache = RaggedKVCache(model, 1)
+    cache.forward(torch.tensor([prompt[:-1]]), torch.tensor([3]))
+    ids = tree.node_tokens.clone()
+    ids[:, 0] = prompt[-1]
+    logits = cache.forward(ids, tree.num_nodes, chunk_mask=tree.ancestor_mask, chunk_positions=tree.depth)
+    for k in range(3):
+        with torch.no_grad():
+            fresh = model(input_ids=torch.tensor([prompt + tokens[0, k].tolist()])).logits[0, len(prompt) - 1 :]
+        torch.testing.assert_close(logits[0, tree.path_slots[0, k]], fresh, atol=1e-4, rtol=1e-4)
+    # keep path 1 up to depth 2: the next token's logits equal a fresh forward over that path
+    keep = torch.zeros(1, int(tree.num_nodes[0]), dtype=torch.bool)
+    keep[0, tree.path_slots[0, 1, :3]] = True
+    cache.keep_last_chunk(keep)
+    nxt = cache.forward(torch.tensor([[9]]), torch.tensor([1]))[0, 0]
+    with torch.no_grad():
+        fresh = model(input_ids=torch.tensor([prompt + [1, 7, 9]])).logits[0, -1]
+    torch.testing.assert_close(nxt, fresh, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_paths", [1, 2, 3])
+def test_gbv_greedy_equals_target_only(tiny_target, num_paths):
+    n = 20
+    expected = [naive_greedy(tiny_target.model, p, n) for p in PROMPTS]
+    draft = ModelDraft(self_draft(tiny_target, 1), GREEDY, torch.Generator().manual_seed(1), "self:1")
+    engine = SpeculativeEngine(tiny_target, draft, GREEDY, 3, "gbv", num_paths=num_paths)
+    results = engine.generate(PROMPTS, n, batch_size=3)
+    assert [r.output_ids for r in results] == expected
+
+
+def test_gbv_argument_errors(tiny_target):
+    with pytest.raises(ValueError, match="samples its paths"):
+        SpeculativeEngine(tiny_target, NgramDraft(), GREEDY, 3, "gbv", num_paths=2)
+    with pytest.raises(ValueError, match="num_paths"):
+        SpeculativeEngine(tiny_target, NgramDraft(), GREEDY, 3, "block", num_paths=2)
+
+
+@pytest.mark.parametrize("num_paths,params", [(3, SamplingParams(1.0)), (2, SamplingParams(0.7, top_p=0.9))])
+def test_gbv_sampled_output_follows_the_target_law(num_paths, params):
+    """Chi-square of the first two tokens of 4000 GBV requests against the exact target joint law."""
+    model = tiny_llama(vocab=8, layers=2, seed=4, init_std=0.3)
+    target = loaded(model)
+    prompt = [1, 2, 3, 1, 2]
+    draft = ModelDraft(self_draft(target, 1), params, torch.Generator().manual_seed(2), "self:1")
+    engine = SpeculativeEngine(target, draft, params, 2, "gbv", seed=3, num_paths=num_paths)
+    n_req = 4000
+    results = engine.generate([prompt] * n_req, 3, batch_size=n_req)
+    assert any(r.rounds[0].accepted > 0 for r in results)
+    joint = _exact_joint(model, prompt, params, 2)
+    counts = np.zeros_like(joint)
+    for r in results:
+        counts[tuple(r.output_ids[:2])] += 1
+    assert counts[joint == 0].sum() == 0
+    expected = joint[joint > 0] * n_req
+    observed = counts[joint > 0]
+    keep = expected >= 5
+    obs = np.append(observed[keep], observed[~keep].sum())
+    exp = np.append(expected[keep], expected[~keep].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    _, pvalue = stats.chisquare(obs, exp * obs.sum() / exp.sum())
+    assert pvalue > 1e-4, f"chi-square p-value {pvalue:.2e}"

@@ -1,7 +1,8 @@
 """Command line: ``specadapt <command> [options]`` (also ``python -m specadapt``).
 
 Commands:
-    generate    long-generation speculative decoding on benchmark prompts with the embedded engine.
+    generate        long-generation speculative decoding on benchmark prompts with the embedded engine.
+    bench-kernels   microbenchmark of the fused verification kernels against the reference.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ __all__ = ["main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import generate
+    from . import bench_kernels, generate
 
     parser = OneLineErrorParser(prog="specadapt", description=__doc__.split("\n")[0])
     parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrorParser)
     generate.add_parser(sub)
+    bench_kernels.add_parser(sub)
     return parser
 
 

@@ -54,7 +54,11 @@ def add_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=d["top_p"])
     p.add_argument("--top-k", type=int, default=d["top_k"], help="0 disables top-k")
     p.add_argument("--num-draft-tokens", type=int, default=d["num_draft_tokens"], help="L, drafts per round")
-    p.add_argument("--verify", default=d["verify"], choices=["chain", "block"], help="verification rule")
+    p.add_argument("--verify", default=d["verify"], choices=["chain", "block", "gbv"], help="verification rule")
+    p.add_argument(
+        "--num-paths", type=int, default=None,
+        help="K, sampled draft paths per request for --verify gbv (default 3; 1 for chain/block)",
+    )
     p.add_argument(
         "--verify-impl", default="auto", choices=["auto", "compiled", "reference"],
         help="verification implementation: fused C++/CUDA kernel, float64 reference, or auto (kernel if built)",
@@ -83,6 +87,12 @@ def _validate(args) -> list[int]:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.num_paths is None:
+        args.num_paths = 3 if args.verify == "gbv" else 1
+    if args.num_paths < 1:
+        raise UsageError(f"--num-paths must be >= 1, got {args.num_paths}")
+    if args.num_paths > 1 and args.verify != "gbv":
+        raise UsageError(f"--num-paths {args.num_paths} needs --verify gbv (chain and block verify one path)")
     if args.limit < 0:
         raise UsageError(f"--limit must be >= 0, got {args.limit}")
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
@@ -148,14 +158,18 @@ def run(args) -> int:
 
     torch.manual_seed(args.seed)
     _warm_up(target, draft)
-    spec_engine = SpeculativeEngine(
-        target, draft, sampling, args.num_draft_tokens, args.verify, seed=args.seed, verify_impl=args.verify_impl
-    )
+    try:
+        spec_engine = SpeculativeEngine(
+            target, draft, sampling, args.num_draft_tokens, args.verify, seed=args.seed,
+            verify_impl=args.verify_impl, num_paths=args.num_paths,
+        )
+    except ValueError as exc:
+        raise UsageError(f"--verify {args.verify}: {exc}") from None
     spec_results, spec_seconds = _timed(spec_engine, token_ids, limits, args, f"speculative ({args.draft})")
     base_results = base_seconds = None
     if args.baseline:
         base_engine = SpeculativeEngine(
-            target, NoDraft(), sampling, 0, args.verify, seed=args.seed, verify_impl=args.verify_impl
+            target, NoDraft(), sampling, 0, "chain", seed=args.seed, verify_impl=args.verify_impl
         )
         base_results, base_seconds = _timed(base_engine, token_ids, limits, args, "target-only baseline")
 

@@ -72,6 +72,19 @@ class Draft:
     def commit(self, accept_len: torch.Tensor) -> None:
         """Tell the draft how many of its proposals were accepted (``[B] int64``) so it can roll back."""
 
+    supports_paths = False
+
+    def propose_paths(self, histories: list[list[int]], num_drafts: int, vocab_size: int, num_paths: int):
+        """Propose ``num_paths`` i.i.d. paths of ``num_drafts`` tokens per request (for GBV).
+
+        Returns:
+            ``(tokens [B, K, L] int64, probs [B, K, L, V] float32)``.
+        """
+        raise NotImplementedError(f"draft {self.name!r} cannot propose multiple sampled paths")
+
+    def select_path(self, chosen: torch.Tensor) -> None:
+        """After :meth:`propose_paths`, keep the state of path ``chosen[r]`` for each request."""
+
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these rows (requests that finished are dropped)."""
 
@@ -198,6 +211,43 @@ class ModelDraft(Draft):
         live = torch.arange(length)[None, :] < proposal.num_tokens[:, None]
         proposal.tokens = torch.where(live, proposal.tokens, torch.zeros_like(proposal.tokens))
         return proposal
+
+    supports_paths = True
+
+    def propose_paths(self, histories, num_drafts, vocab_size, num_paths):
+        assert self.kv is not None, "start() must be called first"
+        if num_drafts < 1 or num_paths < 1:
+            raise ValueError("propose_paths needs num_drafts >= 1 and num_paths >= 1")
+        batch = len(histories)
+        self._committed_before = torch.tensor([len(h) for h in histories], dtype=torch.int64)
+        self._drafts_fed = 0
+        cached = self.kv.lengths.cpu().tolist()
+        ids, counts = _pad([h[c:] for h, c in zip(histories, cached)])
+        logits = self.kv.forward(ids, counts)
+        first = logits[torch.arange(batch), (counts - 1).clamp_min(0).to(logits.device)]
+        q = logits_to_probs(first, self.sampling).cpu()  # [B, V]
+        tokens = torch.zeros(batch, num_paths, num_drafts, dtype=torch.int64)
+        probs = torch.zeros(batch, num_paths, num_drafts, vocab_size, dtype=torch.float32)
+        tokens[:, :, 0] = torch.multinomial(q, num_paths, replacement=True, generator=self.generator)
+        probs[:, :, 0] = q[:, None]
+        self._paths = 1
+        if num_drafts > 1:
+            self.kv.repeat_interleave(num_paths)
+            self._paths = num_paths
+        for i in range(1, num_drafts):
+            step = self.kv.forward(tokens[:, :, i - 1].reshape(-1, 1), torch.ones(batch * num_paths, dtype=torch.int64))
+            q = logits_to_probs(step[:, -1], self.sampling).cpu()  # [B*K, V]
+            tokens[:, :, i] = torch.multinomial(q, 1, generator=self.generator).reshape(batch, num_paths)
+            probs[:, :, i] = q.reshape(batch, num_paths, -1)
+            self._drafts_fed += 1
+        return tokens, probs
+
+    def select_path(self, chosen):
+        paths = getattr(self, "_paths", 1)
+        if self.kv is not None and paths > 1:
+            rows = torch.arange(chosen.shape[0]) * paths + chosen.to(torch.int64)
+            self.kv.select(rows)
+        self._paths = 1
 
     def commit(self, accept_len):
         if self.kv is None or self._committed_before is None:

@@ -63,6 +63,7 @@ class RaggedKVCache:
         self.compact_min_waste = compact_min_waste
         self.compact_fraction = compact_fraction
         self.num_compactions = 0
+        self._last_chunk = 0
 
     @property
     def batch_size(self) -> int:
@@ -72,11 +73,14 @@ class RaggedKVCache:
     def physical_length(self) -> int:
         return self.valid.shape[1]
 
-    def _attention_mask(self, num_new: int, new_valid: torch.Tensor) -> torch.Tensor:
+    def _attention_mask(
+        self, num_new: int, new_valid: torch.Tensor, chunk_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         batch = self.batch_size
         past = self.valid[:, None, :].expand(batch, num_new, self.physical_length)
-        causal = torch.ones(num_new, num_new, dtype=torch.bool, device=self.device).tril()
-        new = causal[None] & new_valid[:, None, :]
+        if chunk_mask is None:
+            chunk_mask = torch.ones(num_new, num_new, dtype=torch.bool, device=self.device).tril()[None]
+        new = chunk_mask.to(self.device) & new_valid[:, None, :]
         allowed = torch.cat([past, new], dim=2)[:, None]  # [B, 1, n, T+n]
         zero = torch.zeros((), dtype=self.dtype, device=self.device)
         neg = torch.tensor(torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device)
@@ -84,7 +88,12 @@ class RaggedKVCache:
 
     @torch.no_grad()
     def forward(
-        self, input_ids: torch.Tensor, num_valid: torch.Tensor, logits_to_keep: int = 0
+        self,
+        input_ids: torch.Tensor,
+        num_valid: torch.Tensor,
+        logits_to_keep: int = 0,
+        chunk_mask: torch.Tensor | None = None,
+        chunk_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Append one chunk and return its logits.
 
@@ -93,6 +102,10 @@ class RaggedKVCache:
                 (any id in the rest).
             num_valid: ``[B] int64`` in ``[0, n]``.
             logits_to_keep: 0 for logits at every column, ``k`` for the last ``k`` columns only.
+            chunk_mask: optional ``[B, n, n] bool``, which chunk columns each chunk column attends to (a tree
+                attention mask: ancestors and self); default causal.
+            chunk_positions: optional ``[B, n] int64`` position offsets of the chunk's tokens after the row's
+                current length (tree depth); default ``0..n-1``.
 
         Returns:
             ``[B, n or k, V]`` logits (model dtype). Columns past ``num_valid`` are meaningless.
@@ -103,8 +116,9 @@ class RaggedKVCache:
         num_valid = num_valid.to(self.device, torch.int64)
         cols = torch.arange(num_new, device=self.device)
         new_valid = cols[None, :] < num_valid[:, None]
-        position_ids = self.lengths[:, None] + cols[None, :]
-        mask = self._attention_mask(num_new, new_valid)
+        offsets = cols[None, :] if chunk_positions is None else chunk_positions.to(self.device, torch.int64)
+        position_ids = self.lengths[:, None] + offsets
+        mask = self._attention_mask(num_new, new_valid, chunk_mask)
         out = self.model(
             input_ids=input_ids.to(self.device),
             attention_mask=mask,
@@ -115,7 +129,33 @@ class RaggedKVCache:
         )
         self.valid = torch.cat([self.valid, new_valid], dim=1)
         self.lengths = self.lengths + num_valid
+        self._last_chunk = num_new
         return out.logits
+
+    def keep_last_chunk(self, keep: torch.Tensor) -> None:
+        """Keep only the marked slots of the chunk appended last (``[B, n] bool``), e.g. one root-to-leaf path
+        of a token tree. Kept slots must have been valid and must be in logical order along the row.
+
+        Raises:
+            ValueError: a kept slot that was a hole, or a mask of the wrong shape.
+        """
+        n = self._last_chunk
+        keep = keep.to(self.device, torch.bool)
+        if tuple(keep.shape) != (self.batch_size, n):
+            raise ValueError(f"keep must be [B, n] = [{self.batch_size}, {n}], got {tuple(keep.shape)}")
+        start = self.physical_length - n
+        old = self.valid[:, start:]
+        if bool((keep & ~old).any()):
+            raise ValueError("keep marks slots that are holes")
+        self.lengths = self.lengths - old.sum(dim=1) + keep.sum(dim=1)
+        self.valid = torch.cat([self.valid[:, :start], keep], dim=1)
+        self._crop_tail()
+        self._maybe_compact()
+
+    def repeat_interleave(self, repeats: int) -> None:
+        """Repeat every row ``repeats`` times (row ``r`` becomes rows ``r*repeats .. r*repeats+repeats-1``)."""
+        rows = torch.arange(self.batch_size, device=self.device).repeat_interleave(repeats)
+        self.select(rows)
 
     def truncate(self, lengths: torch.Tensor) -> None:
         """Roll each row back to ``lengths[r]`` valid tokens (must not exceed its current length).
@@ -130,6 +170,9 @@ class RaggedKVCache:
         self.valid = self.valid & (rank <= lengths[:, None])
         self.lengths = lengths.clone()
         self._crop_tail()
+        self._maybe_compact()
+
+    def _maybe_compact(self) -> None:
         longest = int(self.lengths.max()) if self.batch_size else 0
         waste = self.physical_length - longest
         if waste > max(self.compact_min_waste, self.compact_fraction * longest):

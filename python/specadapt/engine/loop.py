@@ -69,7 +69,9 @@ class SpeculativeEngine:
         draft: a :class:`Draft` (``NoDraft`` gives target-only decoding).
         sampling: temperature / top-k / top-p, shared by target and draft.
         num_draft_tokens: ``L``, the most drafts verified per request per round (>= 0).
-        verify: ``chain`` or ``block``.
+        verify: ``chain``, ``block`` or ``gbv`` (greedy multi-path block verification over ``num_paths``
+            sampled paths; needs a draft that samples, i.e. a model draft).
+        num_paths: K, paths drafted per request for ``gbv`` (1 for the other rules).
         seed: seeds the coins of verification (the draft carries its own generator).
         verify_impl: ``auto`` (fused C++/CUDA kernel when available, else the float64 reference with a logged
             warning), ``compiled`` or ``reference``; all give the same tokens for the same coins.
@@ -87,6 +89,7 @@ class SpeculativeEngine:
         verify: str = "chain",
         seed: int = 0,
         verify_impl: str = "auto",
+        num_paths: int = 1,
     ) -> None:
         if num_draft_tokens < 0:
             raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
@@ -95,7 +98,20 @@ class SpeculativeEngine:
         self.sampling = sampling
         self.num_draft_tokens = num_draft_tokens
         self.verify_name = verify
-        get_rule(verify)  # validates the name
+        if verify != "gbv":
+            get_rule(verify)  # validates the name
+            if num_paths != 1:
+                raise ValueError(f"num_paths > 1 needs verify='gbv', got verify={verify!r}")
+        else:
+            if num_paths < 1:
+                raise ValueError(f"num_paths must be >= 1, got {num_paths}")
+            if num_draft_tokens < 1:
+                raise ValueError("verify='gbv' needs num_draft_tokens >= 1")
+            if not draft.supports_paths:
+                raise ValueError(
+                    f"verify='gbv' needs a draft that samples its paths (self:N or a model), not {draft.name!r}"
+                )
+        self.num_paths = num_paths
         if verify_impl not in kernels.IMPLEMENTATIONS:
             raise ValueError(f"verify_impl must be one of {kernels.IMPLEMENTATIONS}, got {verify_impl!r}")
         self.verify_impl = verify_impl
@@ -159,33 +175,17 @@ class SpeculativeEngine:
         while active:
             histories_active = [histories[r] for r in active]
             remaining = torch.tensor([limits[r] - len(results[r].output_ids) for r in active], dtype=torch.int64)
-            max_drafts = torch.clamp(remaining - 1, min=0, max=self.num_draft_tokens)
-            proposal = self.draft.propose(histories_active, max_drafts, self.vocab_size)
-            n_draft = proposal.num_tokens
-            width = proposal.tokens.shape[1]
-            last = torch.tensor([h[-1] for h in histories_active], dtype=torch.int64)
-            candidates = torch.cat([last[:, None], proposal.tokens], dim=1)  # [B, width+1]
-            logits = kv.forward(candidates, n_draft + 1)
-            target_probs = logits_to_probs(logits, self.sampling).cpu()
-            batch = len(active)
-            out = kernels.verify(
-                self.verify_name,
-                candidates,
-                target_probs,
-                proposal.probs,
-                torch.rand(batch, width, generator=self.generator, dtype=torch.float64),
-                torch.rand(batch, generator=self.generator, dtype=torch.float64),
-                num_draft_tokens=n_draft,
-                impl=self.verify_impl,
-            )
-            accept_len = out.accept_len.to(torch.int64)
-            kv.truncate(kv.lengths.cpu() - (n_draft - accept_len))
-            self.draft.commit(accept_len)
+            if self.verify_name == "gbv":
+                accept_len, output_tokens, n_draft = self._gbv_round(kv, histories_active)
+            else:
+                accept_len, output_tokens, n_draft = self._single_path_round(kv, histories_active, remaining)
             still_active, keep_rows, emitted_total = [], [], 0
             now = time.perf_counter()
             for row, r in enumerate(active):
                 tau = int(accept_len[row])
-                emitted = out.output_tokens[row, : tau + 1].tolist()
+                # GBV verifies L drafts whatever the remaining budget: keep at most the remaining tokens
+                # (a prefix of an exactly distributed sequence is exactly distributed).
+                emitted = output_tokens[row, : tau + 1].tolist()[: int(remaining[row])]
                 res = results[r]
                 done = False
                 for j, tok in enumerate(emitted):
@@ -212,3 +212,115 @@ class SpeculativeEngine:
                 kv.select(rows)
                 self.draft.select(rows)
             active = still_active
+
+    def _single_path_round(self, kv: RaggedKVCache, histories: list[list[int]], remaining: torch.Tensor):
+        """One chain / block round. Returns ``(accept_len [B] int64, output_tokens [B, L+1], n_draft [B])``."""
+        max_drafts = torch.clamp(remaining - 1, min=0, max=self.num_draft_tokens)
+        proposal = self.draft.propose(histories, max_drafts, self.vocab_size)
+        n_draft = proposal.num_tokens
+        batch, width = proposal.tokens.shape
+        last = torch.tensor([h[-1] for h in histories], dtype=torch.int64)
+        candidates = torch.cat([last[:, None], proposal.tokens], dim=1)  # [B, width+1]
+        logits = kv.forward(candidates, n_draft + 1)
+        target_probs = logits_to_probs(logits, self.sampling).cpu()
+        out = kernels.verify(
+            self.verify_name,
+            candidates,
+            target_probs,
+            proposal.probs,
+            torch.rand(batch, width, generator=self.generator, dtype=torch.float64),
+            torch.rand(batch, generator=self.generator, dtype=torch.float64),
+            num_draft_tokens=n_draft,
+            impl=self.verify_impl,
+        )
+        accept_len = out.accept_len.to(torch.int64)
+        kv.truncate(kv.lengths.cpu() - (n_draft - accept_len))
+        self.draft.commit(accept_len)
+        return accept_len, out.output_tokens, n_draft
+
+    def _gbv_round(self, kv: RaggedKVCache, histories: list[list[int]]):
+        """One GBV round: K sampled paths, merged into a token tree scored by ONE target forward with a tree
+        attention mask; GBV picks a path and block-verifies it; both caches keep only that path."""
+        K, L = self.num_paths, self.num_draft_tokens
+        tokens, q = self.draft.propose_paths(histories, L, self.vocab_size, K)  # [B,K,L], [B,K,L,V]
+        batch = len(histories)
+        tree = build_token_tree(tokens)
+        last = torch.tensor([h[-1] for h in histories], dtype=torch.int64)
+        ids = tree.node_tokens.clone()
+        ids[:, 0] = last
+        logits = kv.forward(ids, tree.num_nodes, chunk_mask=tree.ancestor_mask, chunk_positions=tree.depth)
+        node_probs = logits_to_probs(logits, self.sampling).cpu()  # [B, n, V]
+        rows = torch.arange(batch)[:, None, None]
+        target_probs = node_probs[rows, tree.path_slots]  # [B, K, L+1, V]
+        candidates = torch.cat([last[:, None, None].expand(batch, K, 1), tokens], dim=2)
+        out = kernels.gbv_verify(
+            candidates,
+            target_probs,
+            q,
+            torch.rand(batch, L, generator=self.generator, dtype=torch.float64),
+            torch.rand(batch, generator=self.generator, dtype=torch.float64),
+            impl=self.verify_impl,
+        )
+        accept_len = out.accept_len.to(torch.int64)
+        chosen = out.chosen_path.to(torch.int64)
+        keep = torch.zeros_like(tree.ancestor_mask[:, 0])
+        path = tree.path_slots[torch.arange(batch), chosen]  # [B, L+1]
+        depth_ok = torch.arange(L + 1)[None, :] <= accept_len[:, None]
+        keep[torch.arange(batch)[:, None].expand(-1, L + 1)[depth_ok], path[depth_ok]] = True
+        kv.keep_last_chunk(keep)
+        self.draft.select_path(chosen)
+        self.draft.commit(accept_len)
+        return accept_len, out.output_tokens, torch.full((batch,), L, dtype=torch.int64)
+
+
+@dataclass
+class TokenTree:
+    """K draft paths per request merged into a token tree (shared prefixes become one node).
+
+    Attributes:
+        node_tokens: ``[B, n] int64``; slot 0 is the root (the last committed token, filled by the caller),
+            then the nodes in depth order; padding slots hold 0.
+        num_nodes: ``[B] int64`` valid slots (root included).
+        depth: ``[B, n] int64`` depth of each slot (root 0), the position offset of its token.
+        ancestor_mask: ``[B, n, n] bool``, slot i may attend to slot j iff j is i or one of its ancestors.
+        path_slots: ``[B, K, L+1] int64``, slot of path k's prefix of length d (d = 0 is the root).
+    """
+
+    node_tokens: torch.Tensor
+    num_nodes: torch.Tensor
+    depth: torch.Tensor
+    ancestor_mask: torch.Tensor
+    path_slots: torch.Tensor
+
+
+def build_token_tree(tokens: torch.Tensor) -> TokenTree:
+    """Merge ``tokens [B, K, L]`` (K paths per request) into a :class:`TokenTree`."""
+    batch, num_paths, num_drafts = tokens.shape
+    per_request = []
+    for b in range(batch):
+        slot_of: dict[tuple, int] = {(): 0}
+        keys: list[tuple] = [()]
+        paths = tokens[b].tolist()
+        for d in range(num_drafts):
+            for k in range(num_paths):
+                key = tuple(paths[k][: d + 1])
+                if key not in slot_of:
+                    slot_of[key] = len(keys)
+                    keys.append(key)
+        slots = [[slot_of[tuple(paths[k][:d])] for d in range(num_drafts + 1)] for k in range(num_paths)]
+        per_request.append((keys, slot_of, slots))
+    width = max(len(keys) for keys, _, _ in per_request)
+    node_tokens = torch.zeros(batch, width, dtype=torch.int64)
+    depth = torch.zeros(batch, width, dtype=torch.int64)
+    mask = torch.zeros(batch, width, width, dtype=torch.bool)
+    num_nodes = torch.zeros(batch, dtype=torch.int64)
+    path_slots = torch.zeros(batch, num_paths, num_drafts + 1, dtype=torch.int64)
+    for b, (keys, slot_of, slots) in enumerate(per_request):
+        num_nodes[b] = len(keys)
+        for i, key in enumerate(keys):
+            node_tokens[b, i] = key[-1] if key else 0
+            depth[b, i] = len(key)
+            for j in range(len(key) + 1):
+                mask[b, i, slot_of[key[:j]]] = True
+        path_slots[b] = torch.tensor(slots)
+    return TokenTree(node_tokens, num_nodes, depth, mask, path_slots)

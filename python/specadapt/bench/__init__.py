@@ -1,0 +1,1 @@
+"""Benchmarks (kernel microbenchmarks); speed claims live here and in scripts/, never in unit tests."""

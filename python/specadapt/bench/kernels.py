@@ -1,0 +1,173 @@
+"""Microbenchmark of the verification kernels: fused (C++ / CUDA) against the float64 PyTorch reference.
+
+For each case (op, B, L, V, K) it reports the median time of the fused kernel, the achieved bandwidth (p and q
+read once, outputs written once, divided by the time), that bandwidth as a fraction of the device's copy
+bandwidth measured in the same run, and the speedup over the reference on the same inputs.
+
+Used by ``specadapt bench-kernels`` and ``scripts/bench_kernels.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .. import kernels
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Case", "CaseResult", "FULL_SWEEP", "QUICK_CASES", "copy_bandwidth_gbps", "run_case", "run_benchmark"]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark configuration: ``op`` in chain / block / gbv, batch ``B``, drafts ``L``, vocab ``V``, paths ``K``."""
+
+    op: str
+    B: int
+    L: int
+    V: int
+    K: int = 1
+
+
+@dataclass
+class CaseResult:
+    op: str
+    device: str
+    B: int
+    L: int
+    V: int
+    K: int
+    median_ms: float
+    gbps: float
+    bandwidth_fraction: float
+    speedup_vs_reference: float | None
+    reference_ms: float | None
+
+
+def _full_sweep() -> list[Case]:
+    cases = []
+    for B, L, V in itertools.product((1, 8, 32, 64), (4, 8, 16), (32000, 49152, 151936)):
+        cases.append(Case("chain", B, L, V))
+        cases.append(Case("block", B, L, V))
+        for K in (1, 2, 3, 4):
+            cases.append(Case("gbv", B, L, V, K))
+    return cases
+
+
+FULL_SWEEP = _full_sweep()
+# The representative subset of `--quick` (includes the goal case block B=32, L=8, V=49152).
+QUICK_CASES = [
+    Case("chain", 32, 8, 49152),
+    Case("block", 32, 8, 49152),
+    Case("block", 1, 4, 32000),
+    Case("block", 8, 16, 151936),
+    Case("gbv", 8, 4, 32000, 2),
+]
+
+
+def copy_bandwidth_gbps(device: torch.device, megabytes: int = 512, repeats: int = 5) -> float:
+    """Bandwidth of a large device-to-device tensor copy in GB/s (bytes read + bytes written per second)."""
+    n = megabytes * (1 << 20) // 4
+    src = torch.rand(n, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / statistics.median(times[1:]) / 1e9
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_inputs(case: Case, device: torch.device, seed: int = 0, dtype=torch.float32):
+    """Random verification inputs of the contract (probability rows from softmax; drafts sampled from q)."""
+    g = torch.Generator().manual_seed(seed)
+    lead = (case.B,) if case.op != "gbv" else (case.B, case.K)
+    p = torch.softmax(torch.randn(*lead, case.L + 1, case.V, generator=g) * 3, -1)
+    q = torch.softmax(torch.randn(*lead, case.L, case.V, generator=g) * 3, -1)
+    if case.op == "gbv":  # one tree: the K paths share their rows, tokens drawn from q
+        p[:, 1:] = p[:, :1]
+        q[:, 1:] = q[:, :1]
+    drafts = torch.multinomial(q.reshape(-1, case.V), 1, generator=g).reshape(*lead, case.L)
+    if case.op == "gbv":
+        # paths must be consistent with the shared rows: identical rows for every prefix are only valid if
+        # all paths follow the same nodes, so use the same draws for every path
+        drafts[:, 1:] = drafts[:, :1]
+    cand = torch.cat([torch.zeros(*lead, 1, dtype=torch.int64), drafts], dim=-1)
+    u = torch.rand(case.B, case.L, generator=g, dtype=torch.float64)
+    uf = torch.rand(case.B, generator=g, dtype=torch.float64)
+    return [t.to(device) for t in (cand, p.to(dtype), q.to(dtype), u, uf)]
+
+
+def _call(case: Case, impl: str, args):
+    if case.op == "gbv":
+        return kernels.gbv_verify(*args, impl=impl)
+    return kernels.verify(case.op, *args, impl=impl)
+
+
+def _time(fn, device, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def run_case(case: Case, device: torch.device, copy_gbps: float, repeats: int = 10,
+             reference_repeats: int = 1, with_reference: bool = True) -> CaseResult:
+    """Time one case; the reference is timed ``reference_repeats`` times (it is slow) unless disabled."""
+    args = make_inputs(case, device)
+    fused_ms = _time(lambda: _call(case, "compiled", args), device, repeats)
+    elt = args[1].element_size()
+    paths = case.K if case.op == "gbv" else 1
+    bytes_moved = case.B * paths * ((case.L + 1) + case.L) * case.V * elt + case.B * (case.L + 3) * 4
+    gbps = bytes_moved / (fused_ms / 1e3) / 1e9
+    ref_ms = _time(lambda: _call(case, "reference", args), device, reference_repeats) if with_reference else None
+    return CaseResult(
+        op=case.op, device=device.type, B=case.B, L=case.L, V=case.V, K=case.K, median_ms=fused_ms, gbps=gbps,
+        bandwidth_fraction=gbps / copy_gbps, speedup_vs_reference=(ref_ms / fused_ms) if ref_ms else None,
+        reference_ms=ref_ms,
+    )
+
+
+def run_benchmark(cases: list[Case], device: torch.device, repeats: int = 10, reference_repeats: int = 1,
+                  with_reference: bool = True, progress: bool = True) -> dict:
+    """Run ``cases`` and return ``{"copy_bandwidth_gbps", "cases": [...], "device", "torch"}``.
+
+    Raises:
+        ValueError: no compiled kernel for ``device``.
+    """
+    if not kernels.has_op_for("block_verify", device):
+        raise ValueError(f"no compiled verification kernels for {device.type}: build specadapt._C for it")
+    from tqdm import tqdm
+
+    copy_gbps = copy_bandwidth_gbps(device)
+    results = []
+    for case in tqdm(cases, desc="bench-kernels", disable=not progress):
+        if case.op == "gbv" and not kernels.has_op_for("gbv_verify", device):
+            logger.warning("skipping %s: no compiled gbv_verify for %s", case, device.type)
+            continue
+        results.append(asdict(run_case(case, device, copy_gbps, repeats, reference_repeats, with_reference)))
+    return {
+        "copy_bandwidth_gbps": copy_gbps,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cases": results,
+    }
