@@ -10,11 +10,12 @@
 namespace specadapt {
 namespace cpu {
 
-// NaN / inf / negative probabilities count as 0 (specs/verification.md section 5).
+// NaN / inf / negative probabilities count as 0 (specs/verification.md section 5). Branch-free (NaN fails both
+// comparisons) so the loops below vectorise.
 template <typename T>
 inline double clean(T x) {
-  const double v = static_cast<double>(x);
-  return (std::isfinite(v) && v > 0.0) ? v : 0.0;
+  const double v = static_cast<double>(static_cast<float>(x));
+  return (v > 0.0 && v < HUGE_VAL) ? v : 0.0;
 }
 
 // p/q with the q = 0 rule (spec section 5): ratio 1 if p > 0, else 0. Not capped: block verification caps
@@ -42,42 +43,66 @@ inline double row_mass(const double* w, int64_t vocab) {
   return acc;
 }
 
-// Inverse CDF over the unnormalised residual max(w * p - q, 0) (or p itself when q == nullptr). Picks the
-// smallest index whose running sum exceeds u * mass; a zero-mass residual falls back to sampling p.
-// Returns -1 only if p has no mass either.
+// Unnormalised residual weight at v: max(w * p - q, 0), or p itself when use_p.
 template <typename T, typename Q>
-inline int64_t sample_residual(const T* p, const Q* q, double w, double u, int64_t vocab) {
-  double mass = 0.0;
-  if (q != nullptr) {
-    for (int64_t v = 0; v < vocab; ++v) {
+inline double residual_weight(const T* p, const Q* q, double w, bool use_p, int64_t v) {
+  if (use_p) return clean(p[v]);
+  const double d = w * clean(p[v]) - clean(q[v]);
+  return d > 0.0 ? d : 0.0;
+}
+
+template <typename T, typename Q>
+inline double residual_sum(const T* p, const Q* q, double w, bool use_p, int64_t begin, int64_t end) {
+  double acc = 0.0;
+  if (use_p) {
+#pragma omp simd reduction(+ : acc)
+    for (int64_t v = begin; v < end; ++v) acc += clean(p[v]);
+  } else {
+#pragma omp simd reduction(+ : acc)
+    for (int64_t v = begin; v < end; ++v) {
       const double d = w * clean(p[v]) - clean(q[v]);
-      mass += d > 0.0 ? d : 0.0;
+      acc += d > 0.0 ? d : 0.0;
     }
   }
-  const bool use_p = q == nullptr || !(mass > 0.0) || !std::isfinite(mass);
+  return acc;
+}
+
+// Inverse CDF over the unnormalised residual max(w * p - q, 0) (or p itself when q == nullptr). Picks the
+// smallest index whose running sum exceeds u * mass; a zero-mass residual falls back to sampling p.
+// The running sum advances by vectorised chunk sums and is scanned element by element only inside the chunk
+// that crosses the threshold. Returns -1 only if p has no mass either.
+template <typename T, typename Q>
+inline int64_t sample_residual(const T* p, const Q* q, double w, double u, int64_t vocab) {
+  constexpr int64_t kChunk = 512;
+  bool use_p = q == nullptr;
+  double mass = use_p ? 0.0 : residual_sum(p, q, w, false, 0, vocab);
+  if (!use_p && (!(mass > 0.0) || !std::isfinite(mass))) use_p = true;
   if (use_p) {
-    mass = 0.0;
-    for (int64_t v = 0; v < vocab; ++v) mass += clean(p[v]);
+    mass = residual_sum(p, q, w, true, 0, vocab);
     if (!(mass > 0.0)) return -1;
   }
   const double threshold = u * mass;
   double run = 0.0;
-  int64_t last_positive = -1;
-  for (int64_t v = 0; v < vocab; ++v) {
-    double x;
-    if (use_p) {
-      x = clean(p[v]);
+  for (int64_t c = 0; c < vocab; c += kChunk) {
+    const int64_t end = std::min(vocab, c + kChunk);
+    const double chunk = residual_sum(p, q, w, use_p, c, end);
+    if (run + chunk > threshold) {
+      for (int64_t v = c; v < end; ++v) {
+        const double x = residual_weight(p, q, w, use_p, v);
+        if (x > 0.0) {
+          run += x;
+          if (run > threshold) return v;
+        }
+      }
+      // rounding: the element-wise sum did not cross where the chunk sum did; keep scanning
     } else {
-      const double d = w * clean(p[v]) - clean(q[v]);
-      x = d > 0.0 ? d : 0.0;
-    }
-    if (x > 0.0) {
-      last_positive = v;
-      run += x;
-      if (run > threshold) return v;
+      run += chunk;
     }
   }
-  return last_positive;
+  for (int64_t v = vocab - 1; v >= 0; --v) {  // threshold at or past the total: the last token with mass
+    if (residual_weight(p, q, w, use_p, v) > 0.0) return v;
+  }
+  return -1;
 }
 
 // Block verification of one path (n live drafts). p: (n+1) rows of V, q: n rows of V (T or double).
