@@ -10,6 +10,8 @@ STAMP := $(VENV)/.specadapt-installed
 TEST_STAMP := $(VENV)/.specadapt-test-installed
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu csrc/*/*.cuh)
 DEMO_ARGS ?= --baseline --json results/demo.json
+# The defines torch's extension build passes to nvcc (no implicit half / bfloat16 conversions).
+TORCH_NVCC_DEFINES := -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__
 
 .PHONY: install install-test demo test test-fast cuda-compile-check clean
 
@@ -41,7 +43,7 @@ test-fast: $(TEST_STAMP)  ## tests without the real 135M model
 	$(BIN)/python -m pytest -q -m "not real_model"
 
 cuda-compile-check:  ## compile the torch-free CUDA headers with nvcc for sm_90 (no GPU needed)
-	nvcc -arch=sm_90 -std=c++17 -c csrc/cuda/compile_check.cu -o /tmp/specadapt_compile_check.o
+	nvcc -arch=sm_90 -std=c++17 $(TORCH_NVCC_DEFINES) -c csrc/cuda/compile_check.cu -o /tmp/specadapt_compile_check.o
 
 clean:
 	rm -rf $(VENV) build python/*.egg-info python/specadapt/*.so results

@@ -28,18 +28,38 @@ def _want_cuda() -> bool:
     return torch.version.cuda is not None and CUDA_HOME is not None
 
 
+def _pip_cuda_include_dirs() -> list:
+    """Headers of the CUDA libraries installed as pip wheels beside torch (nvidia/*/include: cuSPARSE, cuBLAS,
+    ...), which a bare nvcc toolkit may lack but ATen's CUDA headers include."""
+    try:
+        import nvidia  # namespace package of the nvidia-* wheels that CUDA builds of torch depend on
+    except ImportError:
+        return []
+    return sorted(d for root in nvidia.__path__ for d in glob.glob(os.path.join(root, "*", "include")))
+
+
+def _cuda_library_dirs() -> list:
+    """Where libcudart.so lives when CUDA_HOME was inferred from an nvcc on PATH outside the toolkit
+    (e.g. /usr/local/bin/nvcc -> CUDA_HOME=/usr/local, libraries in /usr/local/cuda/lib64)."""
+    candidates = [os.path.join(CUDA_HOME, "lib64"), os.path.join(CUDA_HOME, "cuda", "lib64")]
+    return [d for d in candidates if os.path.exists(os.path.join(d, "libcudart.so"))]
+
+
 def _extension():
     sources = ["csrc/ops.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
     # -fno-trapping-math / -fno-signed-zeros let GCC turn the max(x, 0) selects of the verification loops into
     # vector blends (no reassociation: results stay bit-identical to the sequential double arithmetic).
-    cxx_flags = ["-O3", "-std=c++17", "-fopenmp", "-fno-trapping-math", "-fno-signed-zeros"]
+    # No -std flag: BuildExtension picks the standard the installed torch needs (C++17 for 2.13, C++20 for 2.14).
+    cxx_flags = ["-O3", "-fopenmp", "-fno-trapping-math", "-fno-signed-zeros"]
     if _want_cuda():
         sources += sorted(glob.glob("csrc/cuda/*.cu"))
         sources = [s for s in sources if not s.endswith("compile_check.cu")]
         return CUDAExtension(
             "specadapt._C",
             sources,
-            extra_compile_args={"cxx": cxx_flags + ["-DSPECADAPT_WITH_CUDA"], "nvcc": ["-O3", "-std=c++17"]},
+            include_dirs=_pip_cuda_include_dirs(),
+            library_dirs=_cuda_library_dirs(),
+            extra_compile_args={"cxx": cxx_flags + ["-DSPECADAPT_WITH_CUDA"], "nvcc": ["-O3"]},
             extra_link_args=["-fopenmp"],
             py_limited_api=True,
         )

@@ -135,7 +135,3 @@ def gbv_law(tables: RandomTables, num_paths: int, num_drafts: int, n: int) -> np
     """Law of the first ``n`` tokens with GBV (K paths of length L)."""
     return multi_round_law(tables.vocab, lambda u: gbv_outcomes(tables, num_paths, num_drafts, u), n)
 
-
-def round_outcome_law(tables: RandomTables, round_law, num_drafts: int) -> dict[tuple, float]:
-    """One-round outcome law from the empty context (kept for the Monte Carlo tests)."""
-    return single_path_outcomes(tables, round_law, num_drafts)

@@ -12,6 +12,9 @@ from specadapt import kernels
 from specadapt.verification import residual_mass_reference
 
 ROOT = Path(__file__).resolve().parents[1]
+# What torch's extension build passes to nvcc: no implicit half / bfloat16 conversions.
+TORCH_NVCC_DEFINES = ["-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
+                      "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__"]
 
 
 def test_extension_is_built_and_registers_the_op():
@@ -101,7 +104,7 @@ def test_cuda_headers_compile_for_sm90(tmp_path):
     src = ROOT / "csrc" / "cuda" / "compile_check.cu"
     out = tmp_path / "check.o"
     proc = subprocess.run(
-        ["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(src), "-o", str(out)],
+        ["nvcc", "-arch=sm_90", "-std=c++17", *TORCH_NVCC_DEFINES, "-c", str(src), "-o", str(out)],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr

@@ -12,7 +12,7 @@ import pytest
 import torch
 from scipy import stats
 
-from exact_law import RandomTables, round_outcome_law, speculative_law, target_joint
+from exact_law import RandomTables, single_path_outcomes, speculative_law, target_joint
 from specadapt.verification import ROUND_LAWS, VERIFY_RULES, block_round_law, chain_round_law
 
 CASES = [(3, 1), (3, 2), (3, 3), (4, 2), (5, 1), (6, 1)]
@@ -111,7 +111,7 @@ def test_coin_driven_batch_matches_exact_round_law(rule):
         torch.rand(batch, generator=gen, dtype=torch.float64),
     )
     # float32 inputs: compare against the law computed from the same float32-rounded tables.
-    exact = round_outcome_law(tables, ROUND_LAWS[rule], num_drafts)
+    exact = single_path_outcomes(tables, ROUND_LAWS[rule], num_drafts)
     counts: dict[tuple, int] = {}
     for row, tau in zip(out.output_tokens.tolist(), out.accept_len.tolist()):
         key = tuple(row[: tau + 1])

@@ -4,13 +4,14 @@
 // One thread block per row; float32 accumulation; block-wide reduction through shared memory.
 #pragma once
 
+#include <cuda_bf16.h>
+
 namespace specadapt {
 namespace cuda {
 
-template <typename T>
-__device__ __forceinline__ float to_float(T x) {
-  return static_cast<float>(x);
-}
+// Explicit conversions: torch builds with __CUDA_NO_BFLOAT16_CONVERSIONS__, so no implicit bf16 -> float.
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
 template <int kBlockThreads, typename T>
 __global__ void block_residual_mass_kernel(const T* __restrict__ target_probs, const T* __restrict__ draft_probs,

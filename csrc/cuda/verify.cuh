@@ -11,9 +11,13 @@
 namespace specadapt {
 namespace cuda {
 
+// Explicit conversions: torch builds with __CUDA_NO_BFLOAT16_CONVERSIONS__, so no implicit bf16 -> float.
+__device__ __forceinline__ float as_float(float x) { return x; }
+__device__ __forceinline__ float as_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
 template <typename T>
 __device__ __forceinline__ double prob(T x) {
-  const double v = static_cast<double>(static_cast<float>(x));
+  const double v = static_cast<double>(as_float(x));
   return (v > 0.0 && v < 1.0e300) ? v : 0.0;  // NaN, inf and negatives count as 0 (spec section 5)
 }
 

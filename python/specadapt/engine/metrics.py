@@ -6,7 +6,7 @@ averaged over rounds; rounds are bucketed by the output index of the first token
 
 from __future__ import annotations
 
-from .loop import RequestResult, RoundRecord
+from .loop import RoundRecord
 
 __all__ = ["acceptance_length", "acceptance_by_position", "accept_rate_by_draft_position", "ngram_repeat_rate"]
 
@@ -69,8 +69,3 @@ def ngram_repeat_rate(tokens: list[int], n: int = 3) -> float | None:
         last_follower[key] = tokens[i]
     return hits / (len(tokens) - n)
 
-
-def summarize_requests(results: list[RequestResult]) -> dict:
-    """Rounds and tokens over a set of requests (for summaries)."""
-    rounds = [r for res in results for r in res.rounds]
-    return {"rounds": len(rounds), "output_tokens": sum(len(res.output_ids) for res in results)}
