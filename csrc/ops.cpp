@@ -27,6 +27,9 @@ TORCH_LIBRARY(specadapt, m) {
   // Greedy multi-path block verification (section 3): candidates [B, K, L+1], target_probs [B, K, L+1, V],
   // draft_probs [B, K, L, V], uniforms [B, L], uniforms_final [B]
   // -> (accept_len [B] int32, output_tokens [B, L+1] int32, chosen_path [B] int32).
+  // IRLS statistics of the acceptance estimator (specs/adaptive_verification.md section 4): features [B, K],
+  // predictions [B, K], accepted [B], verified [B] -> [K, 6] float64 (a, b, c, g0, g1, n).
+  m.def("irls_accumulate(Tensor features, Tensor predictions, Tensor accepted, Tensor verified) -> Tensor");
   m.def("gbv_verify(Tensor candidates, Tensor target_probs, Tensor draft_probs, Tensor uniforms, "
         "Tensor uniforms_final) -> (Tensor, Tensor, Tensor)");
 }

@@ -26,6 +26,7 @@ __all__ = [
     "verify",
     "gbv_verify",
     "IMPLEMENTATIONS",
+    "irls_accumulate",
 ]
 
 IMPLEMENTATIONS = ("auto", "compiled", "reference")
@@ -67,6 +68,11 @@ if extension_available():
 
     torch.library.register_fake("specadapt::chain_verify")(_single_path_fake)
     torch.library.register_fake("specadapt::block_verify")(_single_path_fake)
+
+    @torch.library.register_fake("specadapt::irls_accumulate")
+    def _irls_fake(features, predictions, accepted, verified):
+        torch._check(features.dim() == 2)
+        return features.new_empty((features.shape[1], 6), dtype=torch.float64)
 
     @torch.library.register_fake("specadapt::gbv_verify")
     def _gbv_fake(candidates, target_probs, draft_probs, uniforms, uniforms_final):
@@ -227,3 +233,26 @@ def gbv_verify(
         torch.ops.specadapt.gbv_verify, candidates, target_probs, draft_probs, uniforms, uniforms_final
     )
     return GBVOutput(accept_len, output_tokens, chosen)
+
+
+def irls_accumulate(
+    features: torch.Tensor, predictions: torch.Tensor, accepted: torch.Tensor, verified: torch.Tensor
+) -> torch.Tensor:
+    """IRLS statistics ``[K, 6] float64`` (a, b, c, g0, g1, n) of one batch of verified drafts.
+
+    Contract of :func:`specadapt.estimator.irls.irls_accumulate_reference` (``features [B, K]``,
+    ``predictions [B, K]``, ``accepted [B]``, ``verified [B]``); the fused op when built for the device,
+    else the reference with a logged warning.
+
+    Raises:
+        ValueError: mismatched shapes or dtypes (the message names the argument).
+    """
+    from .estimator.irls import irls_accumulate_reference
+
+    if has_op_for("irls_accumulate", features.device):
+        return _call_op(torch.ops.specadapt.irls_accumulate, features, predictions, accepted, verified)
+    _warn_once(
+        f"irls_accumulate:{features.device.type}",
+        f"specadapt::irls_accumulate has no compiled kernel for {features.device.type}; using the reference",
+    )
+    return irls_accumulate_reference(features, predictions, accepted, verified)

@@ -1,0 +1,42 @@
+"""The estimator's feature: ``logit(q_max)`` of the draft distribution, computed stably from logits."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["FEATURE_CLAMP", "draft_confidence_feature"]
+
+FEATURE_CLAMP = 40.0
+
+
+def draft_confidence_feature(draft_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``f = log(q_max / (1 - q_max))`` of ``q = softmax(logits / T)``, clamped to [-40, 40].
+
+    Computed as ``-log(sum_{x != argmax} exp(z_x / T - m))`` with ``m = max z / T``, which stays exact when
+    ``q_max`` rounds to 1 (specs/adaptive_verification.md section 1). It depends only on the prefix, never on the
+    sampled token, so pruning on it keeps verification lossless.
+
+    Args:
+        draft_logits: ``[..., V]`` float logits of the draft.
+        temperature: the draft's sampling temperature; 0 (greedy, q one-hot) gives +40.
+
+    Returns:
+        ``[...] float32``. NaN logits give NaN features, which the estimator ignores (never fits on them).
+
+    Raises:
+        ValueError: negative temperature or an empty vocabulary.
+    """
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if draft_logits.shape[-1] < 1:
+        raise ValueError("draft_logits has an empty vocabulary dimension")
+    z = draft_logits.float()
+    if temperature == 0:
+        f = torch.full(z.shape[:-1], FEATURE_CLAMP, dtype=torch.float32, device=z.device)
+        return torch.where(torch.isnan(z).any(dim=-1), torch.full_like(f, float("nan")), f)
+    z = z / temperature
+    top = z.max(dim=-1, keepdim=True)
+    shifted = z - top.values
+    others = shifted.scatter(-1, top.indices, float("-inf"))
+    f = -torch.logsumexp(others, dim=-1)
+    return f.clamp(-FEATURE_CLAMP, FEATURE_CLAMP)

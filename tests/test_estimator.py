@@ -1,0 +1,161 @@
+"""Acceptance estimator (IRLS) and the exactness argument for pruning on logit(q_max)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from specadapt.estimator import (
+    AcceptanceEstimator,
+    draft_confidence_feature,
+    irls_accumulate_reference,
+    irls_labels,
+    irls_solve,
+)
+from specadapt.verification import chain_round_law
+
+
+def test_feature_is_logit_of_qmax():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.0, 0.0, 0.0, 0.0], [5.0, 4.9, -3.0, 0.0]])
+    for t in (0.5, 1.0, 2.0):
+        q = torch.softmax(logits.double() / t, -1)
+        qmax = q.max(-1).values
+        want = torch.log(qmax / (1 - qmax))
+        torch.testing.assert_close(draft_confidence_feature(logits, t).double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_feature_is_stable_and_clamped():
+    f = draft_confidence_feature(torch.tensor([[100.0, 0.0, 0.0], [0.0, -10.0, -10.0]]), 1.0)
+    assert float(f[0]) == 40.0  # q_max rounds to 1 in float32; the stable form still gives a finite value
+    assert math.isclose(float(f[1]), 10 - math.log(2), rel_tol=1e-5)
+    assert draft_confidence_feature(torch.tensor([[1.0, 2.0]]), 0.0).tolist() == [40.0]
+    assert torch.isnan(draft_confidence_feature(torch.tensor([[float("nan"), 1.0]]), 0.0)).all()
+    with pytest.raises(ValueError, match="temperature"):
+        draft_confidence_feature(torch.zeros(1, 3), -1.0)
+
+
+def test_labels_up_to_and_including_the_first_rejection():
+    y, m = irls_labels(torch.tensor([0, 2, 3, 1]), torch.tensor([3, 3, 3, 1]), 3)
+    assert m.tolist() == [[True, False, False], [True, True, True], [True, True, True], [True, False, False]]
+    assert y[m].tolist() == [0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+
+
+def _simulate(slope, intercepts, steps, batch, estimator, gen):
+    K = len(intercepts)
+    for _ in range(steps):
+        f = torch.randn(batch, K, generator=gen, dtype=torch.float64) * 1.5
+        true_p = torch.sigmoid(slope * f + torch.tensor(intercepts))
+        accept = torch.rand(batch, K, generator=gen, dtype=torch.float64) < true_p
+        accepted = accept.to(torch.int64).cumprod(1).sum(1)
+        pred = estimator.predict(f)
+        estimator.observe(f, pred, accepted, torch.full((batch,), K))
+
+
+def test_recovers_known_slope_and_intercepts():
+    est = AcceptanceEstimator(3, refit_interval=50)
+    _simulate(0.7, [0.8, 0.0, -0.8], 600, 64, est, torch.Generator().manual_seed(0))
+    assert est.refits == 12
+    assert abs(est.slope - 0.7) < 0.08
+    np.testing.assert_allclose(est.intercepts.numpy(), [0.8, 0.0, -0.8], atol=0.15)
+
+
+def test_position_without_labels_keeps_its_intercept():
+    est = AcceptanceEstimator(4, init_intercept=-0.2, refit_interval=5)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(20):  # only 2 of 4 positions are ever verified
+        f = torch.randn(32, 2, generator=gen, dtype=torch.float64)
+        est.observe(f, est.predict(f), torch.randint(0, 3, (32,), generator=gen), torch.full((32,), 2))
+    assert est.intercepts[2:].tolist() == [-0.2, -0.2]
+    assert est.intercepts[:2].tolist() != [-0.2, -0.2]
+
+
+def test_damping_scales_steps_by_evidence():
+    g = torch.Generator().manual_seed(2)
+    f = torch.randn(40, 1, generator=g, dtype=torch.float64)
+    p = torch.full((40, 1), 0.4, dtype=torch.float64)
+    stats = irls_accumulate_reference(f, p, torch.randint(0, 2, (40,), generator=g), torch.ones(40, dtype=torch.int64))
+    n = float(stats[:, 5].sum())
+    s0, b0 = irls_solve(stats, 0.5, torch.zeros(1), damping=0.0)
+    s50, _ = irls_solve(stats, 0.5, torch.zeros(1), damping=50.0)
+    assert (s50 - 0.5) == pytest.approx((s0 - 0.5) * n / (n + 50), rel=1e-12)
+    # intercept step: (g1 - b * d_slope) / c~ * n_k / (n_k + D)
+    _, b50 = irls_solve(stats, 0.5, torch.zeros(1), damping=50.0)
+    a, b, c, g0, g1, nk = stats[0].tolist()
+    want = (g1 - b * (s50 - 0.5)) / (c + 1e-3) * nk / (nk + 50)
+    assert float(b50[0]) == pytest.approx(want, rel=1e-12)
+
+
+def test_nan_never_reaches_the_coefficients():
+    gen = torch.Generator().manual_seed(3)
+    f = torch.randn(64, 3, generator=gen, dtype=torch.float64)
+    acc = torch.randint(0, 4, (64,), generator=gen)
+    ver = torch.full((64,), 3)
+    clean = AcceptanceEstimator(3, refit_interval=1)
+    dirty = AcceptanceEstimator(3, refit_interval=1)
+    clean_f = f.clone()
+    dirty_f = f.clone()
+    dirty_f[::7, 1] = float("nan")
+    clean_f[::7, 1] = 0.0  # the reference must simply skip these entries: compare with masked statistics
+    stats_dirty = irls_accumulate_reference(dirty_f, dirty.predict(dirty_f), acc, ver)
+    assert torch.isfinite(stats_dirty).all()
+    dirty.observe(dirty_f, dirty.predict(dirty_f), acc, ver)
+    assert math.isfinite(dirty.slope) and torch.isfinite(dirty.intercepts).all()
+    nan_pred = dirty.predict(f)
+    nan_pred[0, 0] = float("nan")
+    dirty.observe(f, nan_pred, acc, ver)
+    assert math.isfinite(dirty.slope) and torch.isfinite(dirty.intercepts).all()
+
+
+def test_negative_slope_step_is_dropped():
+    stats = torch.zeros(1, 6, dtype=torch.float64)
+    stats[0] = torch.tensor([1.0, 0.0, 1.0, -100.0, 0.0, 10.0])  # a gradient pushing omega far below 0
+    slope, _ = irls_solve(stats, 0.5, torch.zeros(1))
+    assert slope == 0.5
+
+
+def _first_token_law(p, q, prune):
+    """Exact law of the first emitted token when draft x ~ q is pruned (target samples alone) iff prune(x)."""
+    P = torch.tensor([p, p], dtype=torch.float64)
+    Q = torch.tensor([q], dtype=torch.float64)
+    out = np.zeros(len(p))
+    for x in range(len(p)):
+        if prune(x):
+            out += q[x] * np.array(p)
+            continue
+        tau_probs, extra = chain_round_law(P, Q, torch.tensor([x]))
+        law = float(tau_probs[1]) * np.eye(len(p))[x] + float(tau_probs[0]) * extra[0].numpy()
+        out += q[x] * law
+    return out
+
+
+def test_pruning_on_the_sampled_token_is_biased_and_on_qmax_is_exact():
+    p, q = [0.5, 0.5], [0.2, 0.8]
+    biased = _first_token_law(p, q, prune=lambda x: q[x] < 0.5)
+    np.testing.assert_allclose(biased, [0.4, 0.6], atol=1e-12)
+    f = float(draft_confidence_feature(torch.tensor([q]).log(), 1.0))
+    for threshold in (f - 1.0, f + 1.0):  # the decision depends on the prefix only: same for every x
+        exact = _first_token_law(p, q, prune=lambda x: f < threshold)
+        np.testing.assert_allclose(exact, p, atol=1e-12)
+
+
+def test_fused_irls_accumulate_matches_reference():
+    from specadapt import kernels
+
+    gen = torch.Generator().manual_seed(5)
+    for B, K in ((1, 1), (37, 5), (256, 8)):
+        f = torch.randn(B, K, generator=gen) * 3
+        p = torch.rand(B, K, generator=gen)
+        f[::5, 0] = float("nan")
+        acc = torch.randint(0, K + 1, (B,), generator=gen)
+        ver = torch.clamp(acc + torch.randint(0, 2, (B,), generator=gen), max=K)
+        ref = irls_accumulate_reference(f, p, acc, ver)
+        got = kernels.irls_accumulate(f, p, acc, ver)
+        assert got.dtype == torch.float64 and got.shape == (K, 6)
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="predictions"):
+        kernels.irls_accumulate(f, p[:, :2], acc, ver)
+    with pytest.raises(ValueError, match="verified"):
+        kernels.irls_accumulate(f, p, acc, ver[:3])
+    torch.library.opcheck(torch.ops.specadapt.irls_accumulate.default, (f, p, acc, ver),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
