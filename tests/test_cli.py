@@ -104,3 +104,24 @@ def test_python_dash_m_and_help():
     proc = subprocess.run([sys.executable, "-m", "specadapt", "generate", "--top-p", "2"], capture_output=True,
                           text=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "--top-p" in proc.stderr
+
+
+def test_generate_with_adaptive_verification(capsys, tiny_model_dir, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "what is the sum of two and three"}) + "\n")
+    out, costs = tmp_path / "av.json", tmp_path / "costs.json"
+    args = ("--model", str(tiny_model_dir), "--draft", "self:1", "--dataset", str(data), "--max-new-tokens", "30",
+            "--adaptive-verification", "--av-refit-interval", "5", "--av-cost-table", str(costs), "--json", str(out))
+    code, _, _ = _run(capsys, *args)
+    assert code == 0 and costs.exists()
+    cfg = json.loads(out.read_text())["config"]
+    assert cfg["av_verified_drafts"] + cfg["av_pruned_drafts"] > 0
+    code, _, _ = _run(capsys, *args)  # second run loads the saved table
+    assert code == 0
+    code, _, err = _run(capsys, "--adaptive-verification", "--verify", "gbv")
+    assert code == 2 and "--adaptive-verification" in err
+    code, _, err = _run(capsys, "--av-refit-interval", "0")
+    assert code == 2 and "--av-refit-interval" in err
+    costs.write_text("not json")
+    code, _, err = _run(capsys, *args)
+    assert code == 2 and "--av-cost-table" in err

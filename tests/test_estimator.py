@@ -76,11 +76,12 @@ def test_damping_scales_steps_by_evidence():
     p = torch.full((40, 1), 0.4, dtype=torch.float64)
     stats = irls_accumulate_reference(f, p, torch.randint(0, 2, (40,), generator=g), torch.ones(40, dtype=torch.int64))
     n = float(stats[:, 5].sum())
-    s0, b0 = irls_solve(stats, 0.5, torch.zeros(1), damping=0.0)
-    s50, _ = irls_solve(stats, 0.5, torch.zeros(1), damping=50.0)
+    inf = float("inf")  # no trust region: the damping alone
+    s0, b0 = irls_solve(stats, 0.5, torch.zeros(1), damping=0.0, max_step=inf)
+    s50, _ = irls_solve(stats, 0.5, torch.zeros(1), damping=50.0, max_step=inf)
     assert (s50 - 0.5) == pytest.approx((s0 - 0.5) * n / (n + 50), rel=1e-12)
     # intercept step: (g1 - b * d_slope) / c~ * n_k / (n_k + D)
-    _, b50 = irls_solve(stats, 0.5, torch.zeros(1), damping=50.0)
+    _, b50 = irls_solve(stats, 0.5, torch.zeros(1), damping=50.0, max_step=inf)
     a, b, c, g0, g1, nk = stats[0].tolist()
     want = (g1 - b * (s50 - 0.5)) / (c + 1e-3) * nk / (nk + 50)
     assert float(b50[0]) == pytest.approx(want, rel=1e-12)
@@ -110,7 +111,7 @@ def test_nan_never_reaches_the_coefficients():
 def test_negative_slope_step_is_dropped():
     stats = torch.zeros(1, 6, dtype=torch.float64)
     stats[0] = torch.tensor([1.0, 0.0, 1.0, -100.0, 0.0, 10.0])  # a gradient pushing omega far below 0
-    slope, _ = irls_solve(stats, 0.5, torch.zeros(1))
+    slope, _ = irls_solve(stats, 0.5, torch.zeros(1), max_step=float("inf"))
     assert slope == 0.5
 
 
@@ -159,3 +160,17 @@ def test_fused_irls_accumulate_matches_reference():
         kernels.irls_accumulate(f, p, acc, ver[:3])
     torch.library.opcheck(torch.ops.specadapt.irls_accumulate.default, (f, p, acc, ver),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_saturated_predictions_do_not_blow_up():
+    """A one-hot draft (feature always 40) saturates predictions; the fit must stay bounded and move the
+    intercept toward the observed acceptance rate (measured before the trust region: steps of -1e5)."""
+    est = AcceptanceEstimator(1, refit_interval=1)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(60):
+        f = torch.full((64, 1), 40.0, dtype=torch.float64)
+        accepted = (torch.rand(64, generator=gen) < 0.3).to(torch.int64)
+        est.observe(f, est.predict(f), accepted, torch.ones(64, dtype=torch.int64))
+    rate = float(est.predict(torch.full((1, 1), 40.0))[0, 0])
+    assert abs(rate - 0.3) < 0.1
+    assert abs(est.intercepts[0]) < 100

@@ -63,6 +63,15 @@ def add_parser(sub) -> None:
         "--verify-impl", default="auto", choices=["auto", "compiled", "reference"],
         help="verification implementation: fused C++/CUDA kernel, float64 reference, or auto (kernel if built)",
     )
+    av = p.add_argument_group("adaptive verification (chain / block)")
+    av.add_argument("--adaptive-verification", action="store_true",
+                    help="prune each round's drafts to the budget an online acceptance estimator predicts pays")
+    av.add_argument("--av-refit-interval", type=int, default=100, help="decode steps between IRLS refits")
+    av.add_argument("--av-damping", type=float, default=50.0, help="D in the evidence damping n/(n+D)")
+    av.add_argument("--av-init-slope", type=float, default=0.5, help="initial shared slope omega")
+    av.add_argument("--av-init-intercept", type=float, default=-0.2, help="initial per-position intercept beta_k")
+    av.add_argument("--av-cost-table", default=None, metavar="PATH",
+                    help="load the cost table from PATH if it exists, else profile it at start-up and save it there")
     p.add_argument("--batch-size", type=int, default=d["batch_size"], help="requests decoded together")
     p.add_argument("--seed", type=int, default=d["seed"])
     p.add_argument("--dtype", default=d["dtype"], choices=["float32", "bfloat16"])
@@ -93,6 +102,12 @@ def _validate(args) -> list[int]:
         raise UsageError(f"--num-paths must be >= 1, got {args.num_paths}")
     if args.num_paths > 1 and args.verify != "gbv":
         raise UsageError(f"--num-paths {args.num_paths} needs --verify gbv (chain and block verify one path)")
+    if args.av_refit_interval < 1:
+        raise UsageError(f"--av-refit-interval must be >= 1, got {args.av_refit_interval}")
+    if args.av_damping < 0:
+        raise UsageError(f"--av-damping must be >= 0, got {args.av_damping}")
+    if args.adaptive_verification and args.verify == "gbv":
+        raise UsageError("--adaptive-verification works with --verify chain or block, not gbv")
     if args.limit < 0:
         raise UsageError(f"--limit must be >= 0, got {args.limit}")
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
@@ -158,10 +173,11 @@ def run(args) -> int:
 
     torch.manual_seed(args.seed)
     _warm_up(target, draft)
+    adaptive = _adaptive(args, target, draft) if args.adaptive_verification else None
     try:
         spec_engine = SpeculativeEngine(
             target, draft, sampling, args.num_draft_tokens, args.verify, seed=args.seed,
-            verify_impl=args.verify_impl, num_paths=args.num_paths,
+            verify_impl=args.verify_impl, num_paths=args.num_paths, adaptive=adaptive,
         )
     except ValueError as exc:
         raise UsageError(f"--verify {args.verify}: {exc}") from None
@@ -174,6 +190,9 @@ def run(args) -> int:
         base_results, base_seconds = _timed(base_engine, token_ids, limits, args, "target-only baseline")
 
     config = {k: v for k, v in vars(args).items() if k not in ("run", "command", "log_level", "no_progress")}
+    if adaptive is not None:
+        config.update(av_pruned_drafts=adaptive.pruned, av_verified_drafts=adaptive.verified,
+                      av_slope=adaptive.estimator.slope, av_intercepts=adaptive.estimator.intercepts.tolist())
     config.update(torch_version=torch.__version__, torch_threads=torch.get_num_threads())
     report = build_report(
         config, prompts, target.tokenizer, spec_results, spec_seconds, base_results, base_seconds, edges,
@@ -184,6 +203,34 @@ def run(args) -> int:
         write_json(report, args.json)
         print(f"wrote {args.json}")
     return 0
+
+
+def _adaptive(args, target, draft):
+    """Estimator + cost table (loaded from --av-cost-table when the file exists, else profiled)."""
+    from pathlib import Path
+
+    from ..budget import CostTable
+    from ..engine import ModelDraft
+    from ..engine.adaptive import AdaptiveVerification, profile_engine_costs
+    from ..estimator import AcceptanceEstimator
+
+    path = Path(args.av_cost_table) if args.av_cost_table else None
+    if path is not None and path.exists():
+        try:
+            costs = CostTable.load(path)
+        except ValueError as exc:
+            raise UsageError(f"--av-cost-table: {exc}") from None
+    else:
+        draft_model = draft.model if isinstance(draft, ModelDraft) else None
+        costs = profile_engine_costs(target.model, draft_model, (args.num_draft_tokens + 1) * args.batch_size,
+                                     args.batch_size, args.num_draft_tokens)
+        if path is not None:
+            costs.save(path)
+    estimator = AcceptanceEstimator(
+        args.num_draft_tokens, init_slope=args.av_init_slope, init_intercept=args.av_init_intercept,
+        refit_interval=args.av_refit_interval, damping=args.av_damping,
+    )
+    return AdaptiveVerification(estimator, costs)
 
 
 def _warm_up(target, draft) -> None:

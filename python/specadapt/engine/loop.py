@@ -72,6 +72,8 @@ class SpeculativeEngine:
         verify: ``chain``, ``block`` or ``gbv`` (greedy multi-path block verification over ``num_paths``
             sampled paths; needs a draft that samples, i.e. a model draft).
         num_paths: K, paths drafted per request for ``gbv`` (1 for the other rules).
+        adaptive: an :class:`~specadapt.engine.adaptive.AdaptiveVerification` to prune each round's drafts to
+            a budget (chain / block only), or ``None``.
         seed: seeds the coins of verification (the draft carries its own generator).
         verify_impl: ``auto`` (fused C++/CUDA kernel when available, else the float64 reference with a logged
             warning), ``compiled`` or ``reference``; all give the same tokens for the same coins.
@@ -90,6 +92,7 @@ class SpeculativeEngine:
         seed: int = 0,
         verify_impl: str = "auto",
         num_paths: int = 1,
+        adaptive=None,
     ) -> None:
         if num_draft_tokens < 0:
             raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
@@ -112,6 +115,9 @@ class SpeculativeEngine:
                     f"verify='gbv' needs a draft that samples its paths (self:N or a model), not {draft.name!r}"
                 )
         self.num_paths = num_paths
+        if adaptive is not None and verify == "gbv":
+            raise ValueError("adaptive verification works with chain and block, not gbv")
+        self.adaptive = adaptive
         if verify_impl not in kernels.IMPLEMENTATIONS:
             raise ValueError(f"verify_impl must be one of {kernels.IMPLEMENTATIONS}, got {verify_impl!r}")
         self.verify_impl = verify_impl
@@ -218,6 +224,8 @@ class SpeculativeEngine:
         max_drafts = torch.clamp(remaining - 1, min=0, max=self.num_draft_tokens)
         proposal = self.draft.propose(histories, max_drafts, self.vocab_size)
         n_draft = proposal.num_tokens
+        if self.adaptive is not None:
+            n_draft, features, predictions = self.adaptive.plan(proposal.probs, n_draft)
         batch, width = proposal.tokens.shape
         last = torch.tensor([h[-1] for h in histories], dtype=torch.int64)
         candidates = torch.cat([last[:, None], proposal.tokens], dim=1)  # [B, width+1]
@@ -236,6 +244,8 @@ class SpeculativeEngine:
         accept_len = out.accept_len.to(torch.int64)
         kv.truncate(kv.lengths.cpu() - (n_draft - accept_len))
         self.draft.commit(accept_len)
+        if self.adaptive is not None:
+            self.adaptive.observe(features, predictions, accept_len, n_draft)
         return accept_len, out.output_tokens, n_draft
 
     def _gbv_round(self, kv: RaggedKVCache, histories: list[list[int]]):

@@ -18,6 +18,7 @@ class AcceptanceEstimator:
         refit_interval: N, decode steps between refits.
         damping: D of the evidence damping ``n / (n + D)``.
         ridge: lambda of the Newton system.
+        max_step: trust region of one refit in logit units (see :func:`specadapt.estimator.irls.irls_solve`).
         accumulate: the accumulate function; default :func:`specadapt.kernels.irls_accumulate` (the fused op,
             or the float64 reference where it is not built).
 
@@ -29,7 +30,7 @@ class AcceptanceEstimator:
 
     def __init__(self, num_positions: int, init_slope: float = 0.5, init_intercept: float = -0.2,
                  refit_interval: int = 100, damping: float = 50.0, ridge: float = 1e-3,
-                 accumulate=None) -> None:
+                 max_step: float = 4.0, accumulate=None) -> None:
         if num_positions < 1:
             raise ValueError(f"num_positions must be >= 1, got {num_positions}")
         if refit_interval < 1:
@@ -41,6 +42,7 @@ class AcceptanceEstimator:
         self.refit_interval = refit_interval
         self.damping = damping
         self.ridge = ridge
+        self.max_step = max_step
         if accumulate is None:
             from .. import kernels
 
@@ -72,6 +74,8 @@ class AcceptanceEstimator:
 
     def refit(self) -> None:
         """One damped Newton step on the current window's statistics, then start a new window."""
-        self.slope, self.intercepts = irls_solve(self.stats, self.slope, self.intercepts, self.ridge, self.damping)
+        self.slope, self.intercepts = irls_solve(
+            self.stats, self.slope, self.intercepts, self.ridge, self.damping, self.max_step
+        )
         self.stats.zero_()
         self.refits += 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FEATURE_CLAMP", "draft_confidence_feature"]
+__all__ = ["FEATURE_CLAMP", "draft_confidence_feature", "feature_from_probs"]
 
 FEATURE_CLAMP = 40.0
 
@@ -40,3 +40,16 @@ def draft_confidence_feature(draft_logits: torch.Tensor, temperature: float) -> 
     others = shifted.scatter(-1, top.indices, float("-inf"))
     f = -torch.logsumexp(others, dim=-1)
     return f.clamp(-FEATURE_CLAMP, FEATURE_CLAMP)
+
+
+def feature_from_probs(draft_probs: torch.Tensor) -> torch.Tensor:
+    """``logit(q_max)`` from probability rows ``[..., V]`` (after the draft's temperature / top-k / top-p).
+
+    Computed as ``log(q_max) - log(sum of the other entries)`` (no ``1 - q_max`` cancellation), clamped to
+    [-40, 40]; a one-hot row gives 40. Depends on the row only, never on the sampled token.
+    """
+    q = draft_probs.to(torch.float64)
+    qmax = q.max(dim=-1).values
+    rest = q.sum(dim=-1) - qmax
+    f = torch.log(qmax) - torch.log(rest.clamp_min(0.0))
+    return f.clamp(-FEATURE_CLAMP, FEATURE_CLAMP).to(torch.float32)

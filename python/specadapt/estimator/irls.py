@@ -77,7 +77,8 @@ def irls_accumulate_reference(
 
 
 def irls_solve(
-    stats: torch.Tensor, slope: float, intercepts: torch.Tensor, ridge: float = 1e-3, damping: float = 50.0
+    stats: torch.Tensor, slope: float, intercepts: torch.Tensor, ridge: float = 1e-3, damping: float = 50.0,
+    max_step: float = 4.0,
 ) -> tuple[float, torch.Tensor]:
     """One damped Newton step from accumulated statistics (arrowhead solve of (X'WX + ridge I) d = X'(y - p)).
 
@@ -87,6 +88,12 @@ def irls_solve(
         intercepts: ``[K]`` current per-position intercepts beta.
         ridge: lambda added to the diagonal.
         damping: D in the step damping ``n / (n + D)`` (evidence-scaled steps).
+        max_step: largest weighted-RMS change of the logit ``omega f + beta_k`` over the window's observations
+            that one refit may cause (slope and intercept steps scaled together). Ours, beyond the spec: when
+            predictions saturate (p near 0 or 1, e.g. a one-hot ngram draft whose feature is always 40) the
+            curvature ``w = p (1 - p)`` vanishes, the ridge alone cannot bound the Newton step, and unclipped
+            steps of 1e5 were measured (and separately clipped steps cancel each other when f is constant);
+            a trust region on the logit keeps the Newton direction and the fit stable.
 
     Returns:
         ``(new_slope, new_intercepts [K] float64)``. A NaN or negative-making slope step is dropped (slope kept);
@@ -100,8 +107,19 @@ def irls_solve(
     d_slope = (float(g0.sum()) - float((b * g1 / c_t).sum())) / denom if denom != 0 else float("nan")
     total = float(n.sum())
     d_slope *= total / (total + damping)
-    if not math.isfinite(d_slope) or slope + d_slope < 0:
+    if not math.isfinite(d_slope):
         d_slope = 0.0
     d_beta = (g1 - b * d_slope) / c_t * (n / (n + damping))
     d_beta = torch.where(torch.isfinite(d_beta), d_beta, torch.zeros_like(d_beta))
+    # Trust region: the weighted RMS change of the logit omega * f + beta_k over the window's observations
+    # may not exceed max_step; slope and intercept steps are scaled together, keeping the Newton direction.
+    total_w = float(c.sum())
+    if total_w > 0:
+        change = (d_slope**2 * a + 2 * d_slope * d_beta * b + d_beta**2 * c).sum() / total_w
+        rms = math.sqrt(max(float(change), 0.0))
+        if rms > max_step:
+            d_slope *= max_step / rms
+            d_beta = d_beta * (max_step / rms)
+    if slope + d_slope < 0:
+        d_slope = 0.0
     return slope + d_slope, intercepts.to(torch.float64) + d_beta

@@ -1,0 +1,94 @@
+"""Adaptive verification in the embedded engine: estimator + budget applied to each round's drafts.
+
+Per round: features ``logit(q_max)`` of the draft's q rows -> predicted acceptance -> survival; the number of
+drafts each request verifies is its share of the global top-B* slots, with ``B*`` chosen from the PREVIOUS
+round's survivals (exactness, see :mod:`specadapt.budget.budget`); after verification the outcomes train the
+estimator. Pruned drafts are never sent to the target.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from ..budget import CostTable, allocate_prefixes, choose_budget, survival
+from ..budget.costs import profile_costs
+from ..estimator import AcceptanceEstimator
+from ..estimator.features import feature_from_probs
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AdaptiveVerification", "profile_engine_costs"]
+
+
+@dataclass
+class AdaptiveVerification:
+    """State of adaptive verification for one engine.
+
+    Attributes:
+        estimator: the online acceptance estimator (K = the engine's L).
+        costs: target / draft cost table.
+        stale_budget: B* chosen from the previous round (``None`` before the first round: verify everything).
+        pruned, verified: counters of draft tokens pruned / verified so far.
+    """
+
+    estimator: AcceptanceEstimator
+    costs: CostTable
+    stale_budget: int | None = None
+    pruned: int = 0
+    verified: int = 0
+    history: list = field(default_factory=list)
+
+    def plan(self, draft_probs: torch.Tensor, num_drafts: torch.Tensor):
+        """Decide how many drafts each request verifies.
+
+        Args:
+            draft_probs: ``[B, L, V]`` q rows of the proposal.
+            num_drafts: ``[B]`` drafts proposed.
+
+        Returns:
+            ``(num_verify [B] int64, features [B, L], predictions [B, L])``.
+        """
+        batch, width = draft_probs.shape[:2]
+        if width == 0:
+            empty = torch.zeros(batch, 0)
+            return num_drafts.clone(), empty, empty.double()
+        features = feature_from_probs(draft_probs)
+        predictions = self.estimator.predict(features)
+        surv = survival(predictions, num_drafts)
+        if self.stale_budget is None:
+            num_verify = num_drafts.clone()
+        else:
+            num_verify = torch.minimum(allocate_prefixes(surv, self.stale_budget), num_drafts)
+        self.stale_budget = choose_budget(surv, self.costs)
+        self.pruned += int((num_drafts - num_verify).sum())
+        self.verified += int(num_verify.sum())
+        return num_verify, features, predictions
+
+    def observe(self, features, predictions, accept_len, num_verify) -> None:
+        """Feed verified outcomes back to the estimator."""
+        if features.shape[1] > 0:
+            self.estimator.observe(features, predictions, accept_len, num_verify)
+
+
+def profile_engine_costs(target_model, draft_model, max_tokens: int, max_requests: int, num_drafts: int,
+                         repeats: int = 5) -> CostTable:
+    """Cost table by timing dummy forwards: the target over n tokens (one row, empty cache), and ``num_drafts``
+    single-token steps of the draft model over r rows (0 for drafts without a model, e.g. ngram)."""
+    device = next(target_model.parameters()).device
+
+    @torch.no_grad()
+    def target_forward(n):
+        target_model(input_ids=torch.ones(1, n, dtype=torch.int64, device=device))
+
+    @torch.no_grad()
+    def draft_round(r):
+        if draft_model is None:
+            return
+        for _ in range(num_drafts):
+            draft_model(input_ids=torch.ones(r, 1, dtype=torch.int64, device=device))
+
+    logger.info("profiling costs: target up to %d tokens, draft up to %d requests", max_tokens, max_requests)
+    return profile_costs(target_forward, draft_round, max_tokens, max_requests, repeats)

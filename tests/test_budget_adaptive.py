@@ -1,0 +1,122 @@
+"""Budget selection and adaptive verification in the engine (exactness with pruning)."""
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from conftest import loaded, tiny_llama
+from test_engine_tiny import GREEDY, PROMPTS, _exact_joint, naive_greedy
+from specadapt.budget import CostTable, allocate_prefixes, choose_budget, survival
+from specadapt.engine import ModelDraft, NgramDraft, SpeculativeEngine
+from specadapt.engine.adaptive import AdaptiveVerification, profile_engine_costs
+from specadapt.engine.drafts import self_draft
+from specadapt.estimator import AcceptanceEstimator
+from specadapt.estimator.features import feature_from_probs
+from specadapt.sampling import SamplingParams
+
+
+def test_survival_and_prefix_allocation():
+    probs = torch.tensor([[0.9, 0.9, 0.1], [0.5, 0.9, 0.9], [0.2, 1.0, 1.0]])
+    s = survival(probs, torch.tensor([3, 3, 1]))
+    torch.testing.assert_close(s, torch.tensor([[0.9, 0.81, 0.081], [0.5, 0.45, 0.405], [0.2, 0.0, 0.0]],
+                                               dtype=torch.float64))
+    assert allocate_prefixes(s, 4).tolist() == [2, 2, 0]  # 0.9, 0.81, 0.5, 0.45
+    assert allocate_prefixes(s, 0).tolist() == [0, 0, 0]
+    # equal survivals along a request stay a contiguous prefix
+    flat = survival(torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]))
+    assert allocate_prefixes(flat, 3).tolist() == [2, 1]
+
+
+def test_choose_budget_trades_expected_tokens_for_cost():
+    s = torch.tensor([[0.9, 0.5, 0.1]], dtype=torch.float64)
+    flat_cost = CostTable(target_ms=[10.0] * 8, draft_ms=[1.0])
+    assert choose_budget(s, flat_cost) == 3  # extra tokens are free: verify all
+    steep = CostTable(target_ms=[10.0 * n for n in range(1, 9)], draft_ms=[0.0])
+    # E/C: B=0 1/10, B=1 1.9/20, ...: verifying costs more than it returns
+    assert choose_budget(s, steep) == 0
+    mid = CostTable(target_ms=[10.0, 11.0, 14.0, 20.0], draft_ms=[0.0])
+    # B=0 .100, B=1 1.9/11=.173, B=2 2.4/14=.171, B=3 2.5/20=.125
+    assert choose_budget(s, mid) == 1
+
+
+def test_cost_table_monotone_extrapolation_and_io(tmp_path):
+    t = CostTable(target_ms=[5.0, 4.0, 7.0], draft_ms=[1.0, 3.0])
+    assert t.target_ms == [5.0, 5.0, 7.0]
+    assert t.verify_cost(5) == pytest.approx(7.0 + 1.0 * 2)
+    path = tmp_path / "costs.json"
+    t.save(path)
+    assert CostTable.load(path).target_ms == t.target_ms
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="bad.json"):
+        CostTable.load(tmp_path / "bad.json")
+
+
+def test_feature_from_probs():
+    q = torch.tensor([[0.7, 0.2, 0.1], [1.0, 0.0, 0.0]])
+    f = feature_from_probs(q)
+    assert float(f[0]) == pytest.approx(np.log(0.7 / 0.3), rel=1e-6)
+    assert float(f[1]) == 40.0
+
+
+def _adaptive(L, costs):
+    return AdaptiveVerification(AcceptanceEstimator(L, refit_interval=5), costs)
+
+
+@pytest.mark.parametrize("rule", ["chain", "block"])
+def test_adaptive_greedy_equals_target_only(tiny_target, rule):
+    n = 24
+    expected = [naive_greedy(tiny_target.model, p, n) for p in PROMPTS]
+    costs = CostTable(target_ms=[10.0, 11.0, 13.0, 16.0, 20.0, 25.0] + [30.0 + 6 * i for i in range(20)],
+                      draft_ms=[1.0] * 4)
+    av = _adaptive(4, costs)
+    draft = ModelDraft(self_draft(tiny_target, 1), GREEDY, torch.Generator(), "self:1")
+    results = SpeculativeEngine(tiny_target, draft, GREEDY, 4, rule, adaptive=av).generate(PROMPTS, n, batch_size=4)
+    assert [r.output_ids for r in results] == expected
+    assert av.verified > 0
+
+
+def test_adaptive_sampled_output_follows_the_target_law():
+    """With pruning active, 4000 requests' first two tokens follow the exact target law (chi-square)."""
+    params = SamplingParams(1.0)
+    model = tiny_llama(vocab=8, layers=2, seed=4, init_std=0.3)
+    target = loaded(model)
+    prompt = [1, 2, 3, 1, 2]
+    # a cost that rises steeply with tokens: B* prunes a real share of the drafts
+    costs = CostTable(target_ms=[1.0 + 0.0005 * n * n for n in range(1, 20001)], draft_ms=[0.0])
+    av = AdaptiveVerification(AcceptanceEstimator(2, refit_interval=1), costs)
+    draft = ModelDraft(self_draft(target, 1), params, torch.Generator().manual_seed(2), "self:1")
+    n_req = 4000
+    results = SpeculativeEngine(target, draft, params, 2, "chain", seed=3, adaptive=av).generate(
+        [prompt] * n_req, 3, batch_size=n_req)
+    assert av.pruned > 0 and av.verified > 0, "pruning must be active or the test proves nothing"
+    joint = _exact_joint(model, prompt, params, 2)
+    counts = np.zeros_like(joint)
+    for r in results:
+        counts[tuple(r.output_ids[:2])] += 1
+    assert counts[joint == 0].sum() == 0
+    expected = joint[joint > 0] * n_req
+    observed = counts[joint > 0]
+    keep = expected >= 5
+    obs = np.append(observed[keep], observed[~keep].sum())
+    exp = np.append(expected[keep], expected[~keep].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    assert stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-4
+
+
+def test_profile_engine_costs_is_monotone(tiny_target):
+    costs = profile_engine_costs(tiny_target.model, tiny_target.model, 6, 2, 2, repeats=2)
+    assert len(costs.target_ms) == 6 and len(costs.draft_ms) == 2
+    assert all(b >= a for a, b in zip(costs.target_ms, costs.target_ms[1:]))
+    ngram_costs = profile_engine_costs(tiny_target.model, None, 3, 2, 2, repeats=1)
+    assert ngram_costs.draft_ms[-1] < 1.0
+
+
+def test_adaptive_refuses_gbv(tiny_target):
+    av = _adaptive(2, CostTable([1.0], [1.0]))
+    draft = ModelDraft(self_draft(tiny_target, 1), GREEDY, torch.Generator(), "self:1")
+    with pytest.raises(ValueError, match="adaptive"):
+        SpeculativeEngine(tiny_target, draft, GREEDY, 2, "gbv", num_paths=2, adaptive=av)
+    # ngram drafts work with it (q one-hot: feature 40)
+    SpeculativeEngine(tiny_target, NgramDraft(), GREEDY, 2, "block", adaptive=av).generate(PROMPTS[:1], 5)
