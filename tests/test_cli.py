@@ -36,6 +36,9 @@ def _run(capsys, *argv):
         (["--model", "/nonexistent/model/dir"], "--model"),
         (["--verify", "magic"], "--verify"),
         (["--num-draft-tokens", "five"], "--num-draft-tokens"),
+        (["--verify", "gbv"], "--verify gbv"),
+        (["--draft", "self:0"], "--draft"),
+        (["--num-paths", "2"], "--num-paths"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(capsys, argv, flag):

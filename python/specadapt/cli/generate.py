@@ -47,17 +47,17 @@ def add_parser(sub) -> None:
         "--draft", default=d["draft"], help="ngram (prompt lookup), self:N (first N target layers) or a model path"
     )
     p.add_argument("--dataset", default=d["dataset"], help="aime24 | math500 | livecodebench | path to a .jsonl file")
-    p.add_argument("--prompt-field", default=None, help="JSON field holding the prompt (default: the dataset's)")
+    p.add_argument("--prompt-field", default=None, help="JSON field holding the prompt (None: the dataset's own)")
     p.add_argument("--limit", type=int, default=d["limit"], help="number of prompts (0 = all)")
-    p.add_argument("--max-new-tokens", type=int, default=d["max_new_tokens"])
+    p.add_argument("--max-new-tokens", type=int, default=d["max_new_tokens"], help="new tokens per request")
     p.add_argument("--temperature", type=float, default=d["temperature"], help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=d["top_p"])
+    p.add_argument("--top-p", type=float, default=d["top_p"], help="nucleus sampling mass, in (0, 1]")
     p.add_argument("--top-k", type=int, default=d["top_k"], help="0 disables top-k")
     p.add_argument("--num-draft-tokens", type=int, default=d["num_draft_tokens"], help="L, drafts per round")
     p.add_argument("--verify", default=d["verify"], choices=["chain", "block", "gbv"], help="verification rule")
     p.add_argument(
         "--num-paths", type=int, default=None,
-        help="K, sampled draft paths per request for --verify gbv (default 3; 1 for chain/block)",
+        help="K, sampled draft paths per request for --verify gbv (None: 3 for gbv, 1 for chain/block)",
     )
     p.add_argument(
         "--verify-impl", default="auto", choices=["auto", "compiled", "reference"],
@@ -73,13 +73,13 @@ def add_parser(sub) -> None:
     av.add_argument("--av-cost-table", default=None, metavar="PATH",
                     help="load the cost table from PATH if it exists, else profile it at start-up and save it there")
     p.add_argument("--batch-size", type=int, default=d["batch_size"], help="requests decoded together")
-    p.add_argument("--seed", type=int, default=d["seed"])
-    p.add_argument("--dtype", default=d["dtype"], choices=["float32", "bfloat16"])
+    p.add_argument("--seed", type=int, default=d["seed"], help="seeds the coins of verification and the draft")
+    p.add_argument("--dtype", default=d["dtype"], choices=["float32", "bfloat16"], help="weights and activations")
     p.add_argument("--device", default=d["device"], help="cpu or cuda")
     p.add_argument("--baseline", action="store_true", help="also run target-only decoding for the speedup")
     p.add_argument("--bucket-edges", default=d["bucket_edges"], help="output-position bucket edges")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (also silences transformers')")
     p.set_defaults(run=run)
 
 
@@ -108,6 +108,15 @@ def _validate(args) -> list[int]:
         raise UsageError(f"--av-damping must be >= 0, got {args.av_damping}")
     if args.adaptive_verification and args.verify == "gbv":
         raise UsageError("--adaptive-verification works with --verify chain or block, not gbv")
+    from ..engine.factory import parse_draft_spec
+
+    try:
+        draft_kind, _ = parse_draft_spec(args.draft)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.verify == "gbv" and draft_kind == "ngram":
+        raise UsageError("--verify gbv needs a sampled draft (--draft self:N or a model path): the ngram draft "
+                         "proposes one deterministic path")
     if args.limit < 0:
         raise UsageError(f"--limit must be >= 0, got {args.limit}")
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
@@ -141,6 +150,10 @@ def run(args) -> int:
     from .report import build_report, print_report, write_json
 
     edges = _validate(args)
+    if args.no_progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device {args.device}: CUDA is not available on this machine")
     try:
@@ -156,7 +169,8 @@ def run(args) -> int:
     try:
         draft = build_draft(args.draft, target, sampling, args.seed, dtype=dtype, device=args.device)
     except (ModelLoadError, VocabularyMismatchError, ValueError) as exc:
-        raise UsageError(f"--draft: {exc}") from None
+        message = str(exc)
+        raise UsageError(message if message.startswith("--draft") else f"--draft: {message}") from None
 
     token_ids = [_tokenize(target.tokenizer, p.text) for p in prompts]
     context = target.context_length or 10**9
@@ -180,7 +194,7 @@ def run(args) -> int:
             verify_impl=args.verify_impl, num_paths=args.num_paths, adaptive=adaptive,
         )
     except ValueError as exc:
-        raise UsageError(f"--verify {args.verify}: {exc}") from None
+        raise UsageError(f"--verify: {exc}") from None
     spec_results, spec_seconds = _timed(spec_engine, token_ids, limits, args, f"speculative ({args.draft})")
     base_results = base_seconds = None
     if args.baseline:

@@ -82,19 +82,23 @@ def build_report(config, prompts, tokenizer, results, seconds, base_results, bas
     return {"config": config, "requests": requests, "summary": summary}
 
 
+def _short(text: str, width: int = 16) -> str:
+    return text if len(text) <= width else "…" + text[-(width - 1):]
+
+
 def _fmt(value, spec=".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
 def print_report(report: dict) -> None:
     """Print a per-request table and the summary to stdout."""
-    header = f"{'id':>12} {'prompt':>7} {'output':>7} {'rounds':>7} {'acc.len':>8} {'tok/s':>8} {'repeat':>7}"
+    header = f"{'id':<16} {'prompt':>7} {'output':>7} {'rounds':>7} {'acc.len':>8} {'tok/s':>8} {'repeat':>7}"
     print()
     print(header)
     print("-" * len(header))
     for req in report["requests"]:
         print(
-            f"{str(req['id'])[:12]:>12} {req['prompt_tokens']:>7} {req['output_tokens']:>7} {req['rounds']:>7} "
+            f"{_short(str(req['id'])):<16} {req['prompt_tokens']:>7} {req['output_tokens']:>7} {req['rounds']:>7} "
             f"{_fmt(req['acceptance_length']):>8} {_fmt(req['tokens_per_s'], '.1f'):>8} "
             f"{_fmt(req['ngram_repeat_rate']):>7}"
         )
@@ -105,10 +109,13 @@ def print_report(report: dict) -> None:
         f"target {cfg['model']}  draft {cfg['draft']}  verify {cfg['verify']}  L={cfg['num_draft_tokens']}  "
         f"T={cfg['temperature']}  top-p={cfg['top_p']}  batch={cfg['batch_size']}"
     )
+    if s["baseline_tokens_per_s"] is None:
+        versus = "target-only: not run (add --baseline)"
+    else:
+        versus = f"target-only {_fmt(s['baseline_tokens_per_s'], '.1f')} tok/s  |  speedup {_fmt(s['speedup'])}x"
     print(
         f"acceptance length {_fmt(s['acceptance_length'])}  |  {_fmt(s['tokens_per_s'], '.1f')} tok/s  |  "
-        f"target-only {_fmt(s['baseline_tokens_per_s'], '.1f')} tok/s  |  speedup {_fmt(s['speedup'])}x  |  "
-        f"3-gram repeat rate {_fmt(s['ngram_repeat_rate'])}"
+        f"{versus}  |  3-gram repeat rate {_fmt(s['ngram_repeat_rate'])}"
     )
     buckets = "  ".join(
         f"[{b['start']},{b['end'] if b['end'] is not None else ''}): {_fmt(b['acceptance_length'])}"
