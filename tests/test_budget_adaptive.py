@@ -3,10 +3,9 @@
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 from conftest import loaded, tiny_llama
-from test_engine_tiny import GREEDY, PROMPTS, _exact_joint, naive_greedy
+from test_engine_tiny import GREEDY, PROMPTS, _exact_joint, assert_first_tokens_follow, naive_greedy
 from specadapt.budget import CostTable, allocate_prefixes, choose_budget, survival
 from specadapt.engine import ModelDraft, NgramDraft, SpeculativeEngine
 from specadapt.engine.adaptive import AdaptiveVerification, profile_engine_costs
@@ -90,19 +89,7 @@ def test_adaptive_sampled_output_follows_the_target_law():
     results = SpeculativeEngine(target, draft, params, 2, "chain", seed=3, adaptive=av).generate(
         [prompt] * n_req, 3, batch_size=n_req)
     assert av.pruned > 0 and av.verified > 0, "pruning must be active or the test proves nothing"
-    joint = _exact_joint(model, prompt, params, 2)
-    counts = np.zeros_like(joint)
-    for r in results:
-        counts[tuple(r.output_ids[:2])] += 1
-    assert counts[joint == 0].sum() == 0
-    expected = joint[joint > 0] * n_req
-    observed = counts[joint > 0]
-    keep = expected >= 5
-    obs = np.append(observed[keep], observed[~keep].sum())
-    exp = np.append(expected[keep], expected[~keep].sum())
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    assert stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-4
+    assert_first_tokens_follow(results, _exact_joint(model, prompt, params, 2), n_req)
 
 
 def test_profile_engine_costs_is_monotone(tiny_target):

@@ -125,6 +125,23 @@ def _exact_joint(model, prompt, params, n):
     return joint
 
 
+def assert_first_tokens_follow(results, joint, n_req):
+    """Chi-square of the first two emitted tokens of ``n_req`` requests against the exact joint law."""
+    counts = np.zeros_like(joint)
+    for r in results:
+        counts[tuple(r.output_ids[:2])] += 1
+    assert counts[joint == 0].sum() == 0, "a token of zero target probability was emitted"
+    expected = joint[joint > 0] * n_req
+    observed = counts[joint > 0]
+    keep = expected >= 5
+    obs = np.append(observed[keep], observed[~keep].sum())
+    exp = np.append(expected[keep], expected[~keep].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    _, pvalue = stats.chisquare(obs, exp * obs.sum() / exp.sum())
+    assert pvalue > 1e-4, f"chi-square p-value {pvalue:.2e}"
+
+
 @pytest.mark.parametrize(
     "rule,params,kind",
     [
@@ -146,20 +163,7 @@ def test_sampled_output_follows_the_target_law(rule, params, kind):
     n_req = 4000
     results = engine.generate([prompt] * n_req, 3, batch_size=n_req)
     assert any(r.rounds[0].accepted > 0 for r in results), "the draft never helped: the test would be vacuous"
-    joint = _exact_joint(model, prompt, params, 2)
-    counts = np.zeros_like(joint)
-    for r in results:
-        counts[tuple(r.output_ids[:2])] += 1
-    assert counts[joint == 0].sum() == 0, "a token of zero target probability was emitted"
-    expected = joint[joint > 0] * n_req
-    observed = counts[joint > 0]
-    keep = expected >= 5
-    obs = np.append(observed[keep], observed[~keep].sum())
-    exp = np.append(expected[keep], expected[~keep].sum())
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    _, pvalue = stats.chisquare(obs, exp * obs.sum() / exp.sum())
-    assert pvalue > 1e-4, f"chi-square p-value {pvalue:.2e}"
+    assert_first_tokens_follow(results, _exact_joint(model, prompt, params, 2), n_req)
 
 
 @pytest.mark.parametrize("rule", ["chain", "block"])
@@ -245,17 +249,4 @@ def test_gbv_sampled_output_follows_the_target_law(num_paths, params):
     n_req = 4000
     results = engine.generate([prompt] * n_req, 3, batch_size=n_req)
     assert any(r.rounds[0].accepted > 0 for r in results)
-    joint = _exact_joint(model, prompt, params, 2)
-    counts = np.zeros_like(joint)
-    for r in results:
-        counts[tuple(r.output_ids[:2])] += 1
-    assert counts[joint == 0].sum() == 0
-    expected = joint[joint > 0] * n_req
-    observed = counts[joint > 0]
-    keep = expected >= 5
-    obs = np.append(observed[keep], observed[~keep].sum())
-    exp = np.append(expected[keep], expected[~keep].sum())
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    _, pvalue = stats.chisquare(obs, exp * obs.sum() / exp.sum())
-    assert pvalue > 1e-4, f"chi-square p-value {pvalue:.2e}"
+    assert_first_tokens_follow(results, _exact_joint(model, prompt, params, 2), n_req)

@@ -191,6 +191,16 @@ struct VerifyArgs {
   int64_t vocab;       // V
 };
 
+// Thread 0 of request b: accept_len, the accepted drafts, then the extra token (-1 flags a massless row).
+__device__ __forceinline__ void write_outputs(const VerifyArgs& a, int64_t b, const int64_t* cand, int64_t tau,
+                                              int64_t extra) {
+  const int64_t L = a.num_drafts;
+  if (extra < 0) *a.error = 1;
+  a.accept_len[b] = static_cast<int32_t>(tau);
+  for (int64_t i = 0; i < tau; ++i) a.output_tokens[b * (L + 1) + i] = static_cast<int32_t>(cand[i + 1]);
+  a.output_tokens[b * (L + 1) + tau] = static_cast<int32_t>(extra);
+}
+
 template <typename T>
 __global__ void chain_verify_kernel(const T* __restrict__ target_probs, const T* __restrict__ draft_probs,
                                     VerifyArgs a) {
@@ -215,12 +225,7 @@ __global__ void chain_verify_kernel(const T* __restrict__ target_probs, const T*
   const int64_t tau = shared_tau;
   const int64_t extra = block_sample_residual<T>(p + tau * V, tau < n ? q + tau * V : nullptr, 1.0,
                                                  a.uniforms_final[b], V, scratch, &shared_index);
-  if (threadIdx.x == 0) {
-    if (extra < 0) *a.error = 1;
-    a.accept_len[b] = static_cast<int32_t>(tau);
-    for (int64_t i = 0; i < tau; ++i) a.output_tokens[b * (L + 1) + i] = static_cast<int32_t>(cand[i + 1]);
-    a.output_tokens[b * (L + 1) + tau] = static_cast<int32_t>(extra);
-  }
+  if (threadIdx.x == 0) write_outputs(a, b, cand, tau, extra);
 }
 
 // Block verification. kMaxDrafts bounds L (path weights live in shared memory).
@@ -277,12 +282,7 @@ __global__ void block_verify_kernel(const T* __restrict__ target_probs, const T*
   const int64_t tau = shared_tau;
   const int64_t extra = block_sample_residual<T>(p + tau * V, tau < n ? q + tau * V : nullptr, weights[tau],
                                                  a.uniforms_final[b], V, scratch, &shared_index);
-  if (threadIdx.x == 0) {
-    if (extra < 0) *a.error = 1;
-    a.accept_len[b] = static_cast<int32_t>(tau);
-    for (int64_t i = 0; i < tau; ++i) a.output_tokens[b * (L + 1) + i] = static_cast<int32_t>(cand[i + 1]);
-    a.output_tokens[b * (L + 1) + tau] = static_cast<int32_t>(extra);
-  }
+  if (threadIdx.x == 0) write_outputs(a, b, cand, tau, extra);
 }
 
 }  // namespace cuda
