@@ -135,3 +135,15 @@ def gbv_law(tables: RandomTables, num_paths: int, num_drafts: int, n: int) -> np
     """Law of the first ``n`` tokens with GBV (K paths of length L)."""
     return multi_round_law(tables.vocab, lambda u: gbv_outcomes(tables, num_paths, num_drafts, u), n)
 
+
+def sample_path_batch(tables, L, K, rounds, seed):
+    """K i.i.d. paths per round from the context-free tables, with the p / q rows along each path."""
+    V = tables.vocab
+    paths = list(itertools.product(range(V), repeat=L))
+    weights = np.array([tables.path_prob((), p) for p in paths])
+    rng = np.random.default_rng(seed)
+    idx = rng.choice(len(paths), size=(rounds, K), p=weights / weights.sum())
+    P = np.stack([tables.path_rows((), p)[0].numpy() for p in paths]).astype(np.float32)
+    Q = np.stack([tables.path_rows((), p)[1].numpy() for p in paths]).astype(np.float32)
+    cand = np.concatenate([np.zeros((len(paths), 1), dtype=np.int64), np.array(paths)], axis=1)
+    return torch.from_numpy(cand[idx]), torch.from_numpy(P[idx]), torch.from_numpy(Q[idx])

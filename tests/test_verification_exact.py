@@ -12,7 +12,7 @@ import pytest
 import torch
 from scipy import stats
 
-from exact_law import RandomTables, single_path_outcomes, speculative_law, target_joint
+from exact_law import RandomTables, sample_path_batch, single_path_outcomes, speculative_law, target_joint
 from specadapt.verification import ROUND_LAWS, VERIFY_RULES, block_round_law, chain_round_law
 
 CASES = [(3, 1), (3, 2), (3, 3), (4, 2), (5, 1), (6, 1)]
@@ -81,31 +81,13 @@ def test_block_never_worse_than_chain_on_average():
     assert np.mean(gaps) > 0
 
 
-def _sample_paths(tables, num_drafts, batch, gen):
-    """Draft paths sampled from the context-dependent q, with the p and q rows the verifier sees."""
-    V = tables.vocab
-    rng = np.random.default_rng(int(torch.randint(0, 2**31, (1,), generator=gen)))
-    # Enumerate path probabilities once, then draw whole paths.
-    paths = list(itertools.product(range(V), repeat=num_drafts))
-    weights = np.array([np.prod([tables.q(p[:i])[x] for i, x in enumerate(p)]) for p in paths])
-    chosen = rng.choice(len(paths), size=batch, p=weights / weights.sum())
-    P = np.stack([np.stack([tables.p(p[:i]) for i in range(num_drafts + 1)]) for p in paths])
-    Q = np.stack([np.stack([tables.q(p[:i]) for i in range(num_drafts)]) for p in paths])
-    cand = np.concatenate([np.zeros((len(paths), 1), dtype=np.int64), np.array(paths, dtype=np.int64)], axis=1)
-    return (
-        torch.tensor(cand[chosen]),
-        torch.tensor(P[chosen], dtype=torch.float32),
-        torch.tensor(Q[chosen], dtype=torch.float32),
-    )
-
-
 @pytest.mark.parametrize("rule", ["chain", "block"])
 def test_coin_driven_batch_matches_exact_round_law(rule):
     """Monte Carlo (200k rounds, fixed seed) of the batch function against the exact one-round law."""
     tables = RandomTables(4, seed=7)
     num_drafts, batch = 2, 200_000
     gen = torch.Generator().manual_seed(1234)
-    cand, P, Q = _sample_paths(tables, num_drafts, batch, gen)
+    cand, P, Q = (t[:, 0] for t in sample_path_batch(tables, num_drafts, 1, batch, seed=1234))
     out = VERIFY_RULES[rule](
         cand, P, Q, torch.rand(batch, num_drafts, generator=gen, dtype=torch.float64),
         torch.rand(batch, generator=gen, dtype=torch.float64),

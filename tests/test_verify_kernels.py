@@ -12,7 +12,7 @@ import pytest
 import torch
 from scipy import stats
 
-from exact_law import RandomTables, gbv_outcomes, single_path_outcomes
+from exact_law import RandomTables, gbv_outcomes, sample_path_batch, single_path_outcomes
 from specadapt import kernels
 from specadapt.verification import ROUND_LAWS, VERIFY_RULES
 from specadapt.verification.gbv import gbv_verify as gbv_reference
@@ -105,19 +105,6 @@ def _chi_square(outputs, accept, exact, rounds):
     return stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
-def _paths_batch(tables, L, K, rounds, seed):
-    """K i.i.d. paths per round from the context-free tables, with the p / q rows along each path."""
-    V = tables.vocab
-    paths = list(itertools.product(range(V), repeat=L))
-    weights = np.array([tables.path_prob((), p) for p in paths])
-    rng = np.random.default_rng(seed)
-    idx = rng.choice(len(paths), size=(rounds, K), p=weights / weights.sum())
-    P = np.stack([tables.path_rows((), p)[0].numpy() for p in paths]).astype(np.float32)
-    Q = np.stack([tables.path_rows((), p)[1].numpy() for p in paths]).astype(np.float32)
-    cand = np.concatenate([np.zeros((len(paths), 1), dtype=np.int64), np.array(paths)], axis=1)
-    return torch.from_numpy(cand[idx]), torch.from_numpy(P[idx]), torch.from_numpy(Q[idx])
-
-
 def _float32_tables(tables):
     """The law must be computed from the float32-rounded rows the kernel sees."""
     class Rounded(RandomTables):
@@ -132,7 +119,7 @@ def _float32_tables(tables):
 def test_single_path_kernel_chi_square_1e6(rule):
     rounds, L = 1_000_000, 2
     tables = _float32_tables(RandomTables(4, seed=31))
-    cand, P, Q = _paths_batch(tables, L, 1, rounds, seed=7)
+    cand, P, Q = sample_path_batch(tables, L, 1, rounds, seed=7)
     g = torch.Generator().manual_seed(8)
     out = kernels.verify(rule, cand[:, 0], P[:, 0], Q[:, 0], torch.rand(rounds, L, generator=g, dtype=torch.float64),
                          torch.rand(rounds, generator=g, dtype=torch.float64), impl="compiled")
@@ -144,7 +131,7 @@ def test_single_path_kernel_chi_square_1e6(rule):
 def test_gbv_kernel_chi_square_1e6(K):
     rounds, L = 1_000_000, 2
     tables = _float32_tables(RandomTables(3, seed=41))
-    cand, P, Q = _paths_batch(tables, L, K, rounds, seed=9)
+    cand, P, Q = sample_path_batch(tables, L, K, rounds, seed=9)
     g = torch.Generator().manual_seed(10)
     out = kernels.gbv_verify(cand, P, Q, torch.rand(rounds, L, generator=g, dtype=torch.float64),
                              torch.rand(rounds, generator=g, dtype=torch.float64), impl="compiled")
@@ -156,7 +143,7 @@ def test_chi_square_detects_a_biased_sampler():
     """The statistical test can fail: block decisions fed chain's law are rejected."""
     rounds, L = 200_000, 2
     tables = _float32_tables(RandomTables(4, seed=31))
-    cand, P, Q = _paths_batch(tables, L, 1, rounds, seed=7)
+    cand, P, Q = sample_path_batch(tables, L, 1, rounds, seed=7)
     g = torch.Generator().manual_seed(8)
     out = kernels.verify("block", cand[:, 0], P[:, 0], Q[:, 0], torch.rand(rounds, L, generator=g, dtype=torch.float64),
                          torch.rand(rounds, generator=g, dtype=torch.float64), impl="compiled")

@@ -68,7 +68,8 @@ class AdaptiveVerification:
         return num_verify, features, predictions
 
     def observe(self, features, predictions, accept_len, num_verify) -> None:
-        """Feed verified outcomes back to the estimator."""
+        """Feed verified outcomes back to the estimator: ``features [B, L]``, ``predictions [B, L]`` from
+        :meth:`plan`, ``accept_len [B]`` (tau) and ``num_verify [B]`` (drafts verified) int64."""
         if features.shape[1] > 0:
             self.estimator.observe(features, predictions, accept_len, num_verify)
 

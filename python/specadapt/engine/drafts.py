@@ -194,12 +194,7 @@ class ModelDraft(Draft):
         self._drafts_fed = 0
         if length == 0:
             return proposal
-        cached = self.kv.lengths.cpu().tolist()
-        suffixes = [h[c:] for h, c in zip(histories, cached)]
-        ids, counts = _pad(suffixes)
-        logits = self.kv.forward(ids, counts)
-        rows = torch.arange(batch)
-        last = logits[rows, (counts - 1).clamp_min(0).to(logits.device)]
+        last = self._feed_uncached(histories)
         for i in range(length):
             q = logits_to_probs(last, self.sampling)
             token = torch.multinomial(q.cpu(), 1, generator=self.generator).squeeze(1)
@@ -214,6 +209,14 @@ class ModelDraft(Draft):
 
     supports_paths = True
 
+    def _feed_uncached(self, histories: list[list[int]]) -> torch.Tensor:
+        """Feed each request's committed tokens not yet in the draft cache (a ragged chunk, usually 1-2
+        tokens) and return the logits after its last one, ``[B, V]``."""
+        cached = self.kv.lengths.cpu().tolist()
+        ids, counts = _pad([h[c:] for h, c in zip(histories, cached)])
+        logits = self.kv.forward(ids, counts)
+        return logits[torch.arange(len(histories)), (counts - 1).clamp_min(0).to(logits.device)]
+
     def propose_paths(self, histories, num_drafts, vocab_size, num_paths):
         assert self.kv is not None, "start() must be called first"
         if num_drafts < 1 or num_paths < 1:
@@ -221,11 +224,7 @@ class ModelDraft(Draft):
         batch = len(histories)
         self._committed_before = torch.tensor([len(h) for h in histories], dtype=torch.int64)
         self._drafts_fed = 0
-        cached = self.kv.lengths.cpu().tolist()
-        ids, counts = _pad([h[c:] for h, c in zip(histories, cached)])
-        logits = self.kv.forward(ids, counts)
-        first = logits[torch.arange(batch), (counts - 1).clamp_min(0).to(logits.device)]
-        q = logits_to_probs(first, self.sampling).cpu()  # [B, V]
+        q = logits_to_probs(self._feed_uncached(histories), self.sampling).cpu()  # [B, V]
         tokens = torch.zeros(batch, num_paths, num_drafts, dtype=torch.int64)
         probs = torch.zeros(batch, num_paths, num_drafts, vocab_size, dtype=torch.float32)
         tokens[:, :, 0] = torch.multinomial(q, num_paths, replacement=True, generator=self.generator)

@@ -14,7 +14,14 @@ from __future__ import annotations
 import torch
 
 from .chain import _gather, _normalized_extra_laws, _pack
-from .common import VerifyInputs, VerifyOutput, check_inputs, sample_from_unnormalized
+from .common import (
+    VerifyInputs,
+    VerifyOutput,
+    check_inputs,
+    draft_token_ratio,
+    sample_from_unnormalized,
+    single_path_inputs,
+)
 
 __all__ = ["block_verify", "block_round_law", "block_weights_and_thresholds", "residual_mass_reference"]
 
@@ -51,7 +58,7 @@ def block_weights_and_thresholds(inputs: VerifyInputs) -> tuple[torch.Tensor, to
         return weights, thresholds
     p_tok = _gather(inputs.target_probs[:, :num_slots], inputs.drafts)
     q_tok = _gather(inputs.draft_probs, inputs.drafts)
-    ratio = torch.where(q_tok > 0, p_tok / q_tok.clamp_min(1e-300), (p_tok > 0).to(torch.float64))
+    ratio = draft_token_ratio(p_tok, q_tok)
     n_live = inputs.num_draft_tokens
     for i in range(1, num_slots + 1):
         w = torch.minimum(weights[:, i - 1] * ratio[:, i - 1], torch.ones_like(ratio[:, 0]))
@@ -136,14 +143,7 @@ def block_round_law(
         ``(tau_probs [L+1], extra_dists [L+1, V])`` as :func:`specadapt.verification.chain.chain_round_law`.
     """
     num_slots = drafts.shape[0]
-    inputs = VerifyInputs(
-        drafts=drafts[None],
-        target_probs=target_probs[None].to(torch.float64),
-        draft_probs=draft_probs[None].to(torch.float64),
-        uniforms=torch.zeros(1, num_slots, dtype=torch.float64),
-        uniforms_final=torch.zeros(1, dtype=torch.float64),
-        num_draft_tokens=torch.tensor([num_slots]),
-    )
+    inputs = single_path_inputs(target_probs, draft_probs, drafts)
     weights, thresholds = block_weights_and_thresholds(inputs)
     h = torch.cat([torch.ones(1, dtype=torch.float64), thresholds[0]])
     tau_probs = torch.zeros(num_slots + 1, dtype=torch.float64)

@@ -14,7 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from .common import VerifyInputs, VerifyOutput, check_inputs, sample_from_unnormalized
+from .common import (
+    VerifyInputs,
+    VerifyOutput,
+    check_inputs,
+    draft_token_ratio,
+    sample_from_unnormalized,
+    single_path_inputs,
+)
 
 __all__ = ["chain_verify", "chain_round_law"]
 
@@ -33,7 +40,7 @@ def chain_acceptance(inputs: VerifyInputs) -> torch.Tensor:
         return inputs.uniforms.new_zeros(inputs.batch_size, 0)
     p_tok = _gather(inputs.target_probs[:, :num_slots], inputs.drafts)
     q_tok = _gather(inputs.draft_probs, inputs.drafts)
-    ratio = torch.where(q_tok > 0, p_tok / q_tok.clamp_min(1e-300), (p_tok > 0).to(torch.float64))
+    ratio = draft_token_ratio(p_tok, q_tok)
     live = torch.arange(num_slots, device=ratio.device)[None, :] < inputs.num_draft_tokens[:, None]
     return torch.where(live, ratio.clamp(max=1.0), torch.zeros_like(ratio))
 
@@ -125,14 +132,7 @@ def chain_round_law(
         token given ``tau = i`` (the same residual / fallback rule :func:`chain_verify` samples from).
     """
     num_slots = drafts.shape[0]
-    inputs = VerifyInputs(
-        drafts=drafts[None],
-        target_probs=target_probs[None].to(torch.float64),
-        draft_probs=draft_probs[None].to(torch.float64),
-        uniforms=target_probs.new_zeros(1, num_slots, dtype=torch.float64),
-        uniforms_final=target_probs.new_zeros(1, dtype=torch.float64),
-        num_draft_tokens=torch.tensor([num_slots]),
-    )
+    inputs = single_path_inputs(target_probs, draft_probs, drafts)
     acc = chain_acceptance(inputs)[0]
     tau_probs = torch.zeros(num_slots + 1, dtype=torch.float64)
     reach = 1.0

@@ -26,6 +26,8 @@ __all__ = [
     "check_inputs",
     "sanitize_probs",
     "sample_from_unnormalized",
+    "draft_token_ratio",
+    "single_path_inputs",
 ]
 
 
@@ -209,3 +211,26 @@ def sample_from_unnormalized(
     # Rounding can push the threshold to (or past) the last cumulative value: take the last token with mass.
     last_positive = (weights > 0).to(torch.int64).cumsum(dim=-1).argmax(dim=-1)
     return torch.minimum(idx, last_positive)
+
+
+def draft_token_ratio(p_tok: torch.Tensor, q_tok: torch.Tensor) -> torch.Tensor:
+    """``p(X) / q(X)`` per drafted token (float64, uncapped) with the spec's ``q = 0`` rule (section 5):
+    ratio 1 if ``p(X) > 0``, else 0. Chain caps it at 1; block caps the running product instead."""
+    return torch.where(q_tok > 0, p_tok / q_tok.clamp_min(1e-300), (p_tok > 0).to(torch.float64))
+
+
+def single_path_inputs(target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts: torch.Tensor) -> VerifyInputs:
+    """A one-request :class:`VerifyInputs` (no coins) for the round-law functions.
+
+    Args:
+        target_probs: ``[L+1, V]``; draft_probs: ``[L, V]``; drafts: ``[L] int64``.
+    """
+    num_slots = drafts.shape[0]
+    return VerifyInputs(
+        drafts=drafts[None].to(torch.int64),
+        target_probs=target_probs[None].to(torch.float64),
+        draft_probs=draft_probs[None].to(torch.float64),
+        uniforms=torch.zeros(1, num_slots, dtype=torch.float64),
+        uniforms_final=torch.zeros(1, dtype=torch.float64),
+        num_draft_tokens=torch.tensor([num_slots]),
+    )
