@@ -72,6 +72,16 @@ class Draft:
     def commit(self, accept_len: torch.Tensor) -> None:
         """Tell the draft how many of its proposals were accepted (``[B] int64``) so it can roll back."""
 
+    needs_target_hidden = False
+
+    def target_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Features this draft takes from the target's ``hidden_states`` (only when ``needs_target_hidden``)."""
+        raise NotImplementedError
+
+    def observe_target(self, features: torch.Tensor) -> None:
+        """Receive the target features of the prefill (after :meth:`start`) or of a round's verified slots
+        (before :meth:`commit`); only called when ``needs_target_hidden``."""
+
     supports_paths = False
 
     def propose_paths(self, histories: list[list[int]], num_drafts: int, vocab_size: int, num_paths: int):

@@ -94,7 +94,9 @@ class RaggedKVCache:
         logits_to_keep: int = 0,
         chunk_mask: torch.Tensor | None = None,
         chunk_positions: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        return_outputs: bool = False,
+        **model_kwargs,
+    ):
         """Append one chunk and return its logits.
 
         Args:
@@ -106,9 +108,13 @@ class RaggedKVCache:
                 attention mask: ancestors and self); default causal.
             chunk_positions: optional ``[B, n] int64`` position offsets of the chunk's tokens after the row's
                 current length (tree depth); default ``0..n-1``.
+            return_outputs: return the model's whole output object instead of its logits (e.g. with
+                ``output_hidden_states=True`` in ``model_kwargs``).
+            model_kwargs: passed to the model's forward (e.g. ``features=`` for an EAGLE head).
 
         Returns:
-            ``[B, n or k, V]`` logits (model dtype). Columns past ``num_valid`` are meaningless.
+            ``[B, n or k, V]`` logits (model dtype), or the output object. Columns past ``num_valid`` are
+            meaningless.
         """
         batch, num_new = input_ids.shape
         if batch != self.batch_size:
@@ -126,11 +132,12 @@ class RaggedKVCache:
             use_cache=True,
             logits_to_keep=logits_to_keep,
             **{self._cache_name: self.cache},
+            **model_kwargs,
         )
         self.valid = torch.cat([self.valid, new_valid], dim=1)
         self.lengths = self.lengths + num_valid
         self._last_chunk = num_new
-        return out.logits
+        return out if return_outputs else out.logits
 
     def keep_last_chunk(self, keep: torch.Tensor) -> None:
         """Keep only the marked slots of the chunk appended last (``[B, n] bool``), e.g. one root-to-leaf path

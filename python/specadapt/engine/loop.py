@@ -123,6 +123,7 @@ class SpeculativeEngine:
         self.verify_impl = verify_impl
         self.generator = torch.Generator().manual_seed(seed)
         self.eos_ids = target.eos_token_ids()
+        self._hidden_kwargs = {"output_hidden_states": True} if draft.needs_target_hidden else {}
         self.vocab_size = target.vocab_size
 
     def generate(
@@ -174,10 +175,17 @@ class SpeculativeEngine:
         histories_active = [histories[r] for r in active]
         kv = RaggedKVCache(self.target.model, len(active))
         prefix = [h[:-1] for h in histories_active]
+        features = None
         if max(len(p) for p in prefix) > 0:
             ids, counts = _pad(prefix)
-            kv.forward(ids, counts, logits_to_keep=1)
+            out = kv.forward(ids, counts, logits_to_keep=1, return_outputs=True, **self._hidden_kwargs)
+            if self.draft.needs_target_hidden:
+                features = self.draft.target_features(out.hidden_states)
         self.draft.start(histories_active)
+        if self.draft.needs_target_hidden:
+            if features is None:
+                features = self.draft.target_features(self._empty_hidden(len(active)))
+            self.draft.observe_target(features)
         while active:
             histories_active = [histories[r] for r in active]
             remaining = torch.tensor([limits[r] - len(results[r].output_ids) for r in active], dtype=torch.int64)
@@ -219,6 +227,13 @@ class SpeculativeEngine:
                 self.draft.select(rows)
             active = still_active
 
+    def _empty_hidden(self, batch: int) -> tuple[torch.Tensor, ...]:
+        """Zero-length ``hidden_states`` (prompts of one token have no prefill)."""
+        config = self.target.model.config
+        param = next(self.target.model.parameters())
+        empty = torch.zeros(batch, 0, int(config.hidden_size), dtype=param.dtype, device=param.device)
+        return tuple(empty for _ in range(int(config.num_hidden_layers) + 1))
+
     def _single_path_round(self, kv: RaggedKVCache, histories: list[list[int]], remaining: torch.Tensor):
         """One chain / block round. Returns ``(accept_len [B] int64, output_tokens [B, L+1], n_draft [B])``."""
         max_drafts = torch.clamp(remaining - 1, min=0, max=self.num_draft_tokens)
@@ -229,7 +244,10 @@ class SpeculativeEngine:
         batch, width = proposal.tokens.shape
         last = torch.tensor([h[-1] for h in histories], dtype=torch.int64)
         candidates = torch.cat([last[:, None], proposal.tokens], dim=1)  # [B, width+1]
-        logits = kv.forward(candidates, n_draft + 1)
+        out = kv.forward(candidates, n_draft + 1, return_outputs=True, **self._hidden_kwargs)
+        logits = out.logits
+        if self.draft.needs_target_hidden:
+            self.draft.observe_target(self.draft.target_features(out.hidden_states))
         target_probs = logits_to_probs(logits, self.sampling).cpu()
         out = kernels.verify(
             self.verify_name,
@@ -258,8 +276,15 @@ class SpeculativeEngine:
         last = torch.tensor([h[-1] for h in histories], dtype=torch.int64)
         ids = tree.node_tokens.clone()
         ids[:, 0] = last
-        logits = kv.forward(ids, tree.num_nodes, chunk_mask=tree.ancestor_mask, chunk_positions=tree.depth)
-        node_probs = logits_to_probs(logits, self.sampling).cpu()  # [B, n, V]
+        target_out = kv.forward(
+            ids,
+            tree.num_nodes,
+            chunk_mask=tree.ancestor_mask,
+            chunk_positions=tree.depth,
+            return_outputs=True,
+            **self._hidden_kwargs,
+        )
+        node_probs = logits_to_probs(target_out.logits, self.sampling).cpu()  # [B, n, V]
         rows = torch.arange(batch)[:, None, None]
         target_probs = node_probs[rows, tree.path_slots]  # [B, K, L+1, V]
         candidates = torch.cat([last[:, None, None].expand(batch, K, 1), tokens], dim=2)
@@ -278,6 +303,9 @@ class SpeculativeEngine:
         depth_ok = torch.arange(L + 1)[None, :] <= accept_len[:, None]
         keep[torch.arange(batch)[:, None].expand(-1, L + 1)[depth_ok], path[depth_ok]] = True
         kv.keep_last_chunk(keep)
+        if self.draft.needs_target_hidden:
+            node_features = self.draft.target_features(target_out.hidden_states)  # [B, n, F]
+            self.draft.observe_target(node_features[torch.arange(batch)[:, None], path.to(node_features.device)])
         self.draft.select_path(chosen)
         self.draft.commit(accept_len)
         return accept_len, out.output_tokens, torch.full((batch,), L, dtype=torch.int64)

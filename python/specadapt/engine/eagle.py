@@ -1,0 +1,246 @@
+"""An EAGLE-style draft head for a Llama-family target (Li et al., EAGLE, ICML 2024; EAGLE-3, 2025).
+
+The head predicts the token after next from the target's own hidden states:
+
+- input at position ``i``: the target's hidden states at three layers (low, middle, high; EAGLE-3's feature
+  fusion) of position ``i``, fused to one hidden vector by ``fuse`` ``[3h -> h]``, concatenated with the
+  target's (frozen, shared) embedding of token ``x_{i+1}`` and projected by ``input_proj`` ``[2h -> h]``;
+- one Llama decoder layer (causal attention over the head's own KV cache);
+- the target's frozen final norm and LM head (shared, never trained), restricted to a reduced draft
+  vocabulary ``draft_vocab`` (EAGLE-3: the most frequent target tokens): on SmolLM2-135M the full LM head
+  (49,152 x 576) costs seven times the decoder layer.
+
+The output hidden state ``g_i`` of the layer gives ``q(x_{i+2})``. Drafting further than one token feeds
+``g_i`` back in place of the fused target features (EAGLE-3's "training-time test" recurrence), which is
+also how :mod:`scripts.train_draft` trains the head (two unrolled steps).
+
+Only ``fuse``, ``input_proj`` and ``layer`` are parameters of the head; the shared modules are attached by
+reference with :meth:`EagleHead.attach` and never appear in its ``parameters()`` or ``state_dict()``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "EagleHead",
+    "default_feature_layers",
+    "load_eagle_head",
+    "save_eagle_head",
+    "EAGLE_DEFAULT_FILE",
+    "eagle_default_path",
+]
+
+EAGLE_DEFAULT_FILE = "eagle_smollm2_135m.safetensors"
+
+
+def eagle_default_path() -> Path:
+    """Path of the head shipped in the package for the embedded default target (may not exist in a checkout
+    that has not trained it)."""
+    return Path(__file__).resolve().parent.parent / "data" / EAGLE_DEFAULT_FILE
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
+    """Indices into transformers' ``hidden_states`` tuple (0 = embeddings, i = output of layer i-1) of the
+    low / middle / high target layers the head fuses: outputs of layers 2, N/2 and N-3 (EAGLE-3's choice)."""
+    if num_layers < 3:
+        return (1, 1, num_layers)
+    return (3, num_layers // 2 + 1, num_layers - 2)
+
+
+class EagleHead(nn.Module):
+    """The trainable part of an EAGLE-style draft (see the module docstring).
+
+    Args:
+        target_config: the target's transformers ``LlamaConfig`` (hidden size, heads, RoPE).
+        feature_layers: three indices into the target's ``hidden_states``.
+        draft_vocab: ``[Vd] int64`` target token ids the head can propose (sorted, unique); ``None`` = all.
+
+    Raises:
+        ValueError: ``feature_layers`` not three valid indices, or a bad ``draft_vocab``.
+    """
+
+    def __init__(self, target_config, feature_layers: tuple[int, int, int], draft_vocab: torch.Tensor | None = None):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+        hidden = int(target_config.hidden_size)
+        num_layers = int(target_config.num_hidden_layers)
+        if len(feature_layers) != 3 or not all(0 <= int(i) <= num_layers for i in feature_layers):
+            raise ValueError(f"feature_layers must be three indices in [0, {num_layers}], got {feature_layers}")
+        vocab = int(target_config.vocab_size)
+        if draft_vocab is None:
+            draft_vocab = torch.arange(vocab)
+        draft_vocab = torch.as_tensor(draft_vocab, dtype=torch.int64)
+        if draft_vocab.ndim != 1 or draft_vocab.numel() == 0:
+            raise ValueError("draft_vocab must be a non-empty 1-D tensor of token ids")
+        if int(draft_vocab.min()) < 0 or int(draft_vocab.max()) >= vocab:
+            raise ValueError(f"draft_vocab ids must lie in [0, {vocab})")
+        if bool((draft_vocab[1:] <= draft_vocab[:-1]).any()):
+            raise ValueError("draft_vocab must be sorted and unique")
+        config = copy.deepcopy(target_config)
+        config.num_hidden_layers = 1
+        if getattr(config, "layer_types", None) is not None:
+            config.layer_types = list(config.layer_types)[:1]
+        config._attn_implementation = "sdpa"
+        self.config = config
+        self.feature_layers = tuple(int(i) for i in feature_layers)
+        self.fuse = nn.Linear(3 * hidden, hidden, bias=False)
+        self.input_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        self.layer = LlamaDecoderLayer(config, layer_idx=0)
+        self.rotary = LlamaRotaryEmbedding(config)
+        self.register_buffer("draft_vocab", draft_vocab, persistent=True)
+        self.__dict__["_shared"] = None  # (embed, norm, head_weight): not submodules, never trained
+
+    @property
+    def hidden_size(self) -> int:
+        return self.fuse.out_features
+
+    def attach(self, target_model: nn.Module) -> "EagleHead":
+        """Share the target's embedding, final norm and LM head (restricted to ``draft_vocab``) by reference.
+
+        Raises:
+            ValueError: a target without ``model.embed_tokens`` / ``model.norm`` / an output embedding, or
+                with another hidden size.
+        """
+        decoder = getattr(target_model, "model", None)
+        embed = getattr(decoder, "embed_tokens", None)
+        norm = getattr(decoder, "norm", None)
+        head = target_model.get_output_embeddings() if hasattr(target_model, "get_output_embeddings") else None
+        if embed is None or norm is None or head is None:
+            raise ValueError(f"{type(target_model).__name__} lacks model.embed_tokens / model.norm / an LM head")
+        if head.weight.shape[1] != self.hidden_size:
+            raise ValueError(f"target hidden size {head.weight.shape[1]} != head hidden size {self.hidden_size}")
+        with torch.no_grad():
+            head_weight = head.weight.detach().index_select(0, self.draft_vocab.to(head.weight.device))
+        self.__dict__["_shared"] = (embed, norm, head_weight)
+        return self
+
+    @property
+    def shared(self):
+        if self._shared is None:
+            raise RuntimeError("EagleHead.attach(target_model) must be called before use")
+        return self._shared
+
+    def target_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """``[B, n, 3h]``: the concatenated low / middle / high target hidden states of one forward."""
+        return torch.cat([hidden_states[i] for i in self.feature_layers], dim=-1)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache=None,
+        use_cache: bool = False,
+        logits_to_keep: int = 0,
+    ) -> SimpleNamespace:
+        """One chunk through the head.
+
+        Args:
+            input_ids: ``[B, n] int64`` the tokens ``x_{i+1}`` paired with each feature.
+            features: ``[B, n, 3h]`` target features (fused here) or ``[B, n, h]`` the head's own earlier
+                outputs ``g`` (used as is).
+            attention_mask: additive ``[B, 1, n, T+n]`` mask (see :class:`~specadapt.engine.kv.RaggedKVCache`)
+                or ``None`` for plain causal attention over the chunk.
+            position_ids: ``[B, n] int64`` logical positions (RoPE).
+            cache: a transformers ``DynamicCache`` holding the head's one layer, or ``None``.
+            logits_to_keep: 0 = logits at every column, k = the last k columns.
+
+        Returns:
+            ``SimpleNamespace(logits=[B, n|k, Vd], hidden=[B, n, h])``: logits over ``draft_vocab`` (map an
+            index back to a target id with ``draft_vocab[index]``) and the layer outputs ``g`` (before norm).
+
+        Raises:
+            ValueError: a feature width that is neither 3h nor h.
+        """
+        embed, norm, head_weight = self.shared
+        hidden = self.hidden_size
+        dtype = self.fuse.weight.dtype
+        features = features.to(dtype)
+        if features.shape[-1] == 3 * hidden:
+            features = self.fuse(features)
+        elif features.shape[-1] != hidden:
+            raise ValueError(f"features must have width {3 * hidden} or {hidden}, got {features.shape[-1]}")
+        tokens = embed(input_ids).to(dtype)
+        x = self.input_proj(torch.cat([tokens, features], dim=-1))
+        batch, n = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(n, device=input_ids.device)[None].expand(batch, n)
+        if attention_mask is None:
+            causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+            attention_mask = torch.where(causal, 0.0, torch.finfo(dtype).min).to(dtype)[None, None].expand(batch, 1, n, n)
+        position_embeddings = self.rotary(x, position_ids)
+        out = self.layer(
+            x,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+        )
+        g = out[0] if isinstance(out, tuple) else out
+        kept = g if logits_to_keep == 0 else g[:, -logits_to_keep:]
+        logits = torch.nn.functional.linear(norm(kept).to(head_weight.dtype), head_weight)
+        return SimpleNamespace(logits=logits, hidden=g)
+
+
+def save_eagle_head(head: EagleHead, path: str | Path, metadata: dict | None = None) -> None:
+    """Write the head's own weights (and its ``draft_vocab``) to a safetensors file; the shared target
+    modules are not saved. ``metadata`` (JSON-serialisable) is stored with ``feature_layers``."""
+    from safetensors.torch import save_file
+
+    meta = {"feature_layers": json.dumps(list(head.feature_layers)), "format": "specadapt-eagle-v1"}
+    for key, value in (metadata or {}).items():
+        meta[key] = json.dumps(value)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    save_file(tensors, str(path), metadata=meta)
+
+
+def load_eagle_head(path: str | Path, target_model: nn.Module, dtype: torch.dtype | None = None) -> EagleHead:
+    """Load a head saved by :func:`save_eagle_head` and attach it to ``target_model``.
+
+    Args:
+        path: the safetensors file.
+        target_model: the target transformers model (its config must match the one the head was trained on).
+        dtype: parameter dtype (default: the target's).
+
+    Returns:
+        The head in eval mode, on the target's device.
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: not a specadapt EAGLE head, or shapes that do not fit
+        the target.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no EAGLE head at {path}")
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if meta.get("format") != "specadapt-eagle-v1" or "draft_vocab" not in tensors:
+        raise ValueError(f"{path} is not a specadapt EAGLE head (format {meta.get('format')!r})")
+    layers = tuple(json.loads(meta["feature_layers"]))
+    head = EagleHead(target_model.config, layers, tensors["draft_vocab"])
+    try:
+        head.load_state_dict(tensors, strict=True)
+    except RuntimeError as exc:
+        raise ValueError(f"{path} does not fit the target {type(target_model).__name__}: {exc}") from exc
+    param = next(target_model.parameters())
+    head.to(device=param.device, dtype=dtype or param.dtype)
+    head.draft_vocab = head.draft_vocab.to(torch.int64)
+    head.attach(target_model)
+    return head.eval()
+

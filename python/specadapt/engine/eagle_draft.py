@@ -1,0 +1,201 @@
+"""The EAGLE-style draft proposer (``--draft eagle``): drives an :class:`~specadapt.engine.eagle.EagleHead`
+with its own ragged KV cache from the target's hidden states.
+
+Bookkeeping. The head's cache holds pairs ``(f_i, x_{i+1})`` (target features of position ``i``, next token)
+for the committed positions ``i <= n-2`` of each request, where ``x_{n-1}`` is the newest committed token (the
+round's slot 0, which the target has not scored yet). Its output at position ``n-2`` is ``q(x_n)``, the first
+draft. Each further draft feeds ``(g, drafted token)`` with the head's own output ``g`` in place of target
+features; those entries are dropped after verification and the round's real pairs are fed at the start of the
+next round: the target's features of slots ``0..tau`` paired with the ``tau + 1`` tokens the round emitted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sampling import SamplingParams, logits_to_probs
+from .drafts import Draft, DraftProposal, _empty_proposal, _pad
+from .eagle import EagleHead
+from .kv import RaggedKVCache
+
+__all__ = ["EagleDraft"]
+
+
+class EagleDraft(Draft):
+    """Draft proposer over an EAGLE head (see the module docstring).
+
+    Args:
+        head: an attached :class:`EagleHead`.
+        sampling: the run's sampling transform (applied to the head's logits over its draft vocabulary).
+        generator: random generator of the draft's sampling.
+        name: label in reports.
+        window: recent ``(feature, token)`` pairs kept per request for Test-Time Speculation snapshots.
+    """
+
+    needs_target_hidden = True
+    supports_paths = True
+
+    def __init__(
+        self, head: EagleHead, sampling: SamplingParams, generator: torch.Generator, name: str = "eagle", window: int = 64
+    ) -> None:
+        self.head = head
+        self.model = head  # the module Test-Time Speculation trains
+        self.sampling = sampling
+        self.generator = generator
+        self.name = name
+        self.window = window
+        self.kv: RaggedKVCache | None = None
+        self._pending: torch.Tensor | None = None  # [B, m, 3h] features not yet fed
+        self._pending_counts: torch.Tensor | None = None  # [B]
+        self._round_features: torch.Tensor | None = None
+        self._awaiting_prefill = False
+        self._prompt_pairs: torch.Tensor | None = None
+        self._fed_before: torch.Tensor | None = None
+        self._paths = 1
+        self.recent_features: list[torch.Tensor] = []  # per request [w, 3h], the last `window` fed pairs
+        self.recent_tokens: list[torch.Tensor] = []  # per request [w] int64
+
+    def target_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """``[B, n, 3h]`` features of one target forward (its ``hidden_states`` tuple)."""
+        return self.head.target_features(hidden_states)
+
+    def start(self, histories):
+        batch = len(histories)
+        self.kv = RaggedKVCache(self.head, batch)
+        self._awaiting_prefill = True
+        self._prompt_pairs = torch.tensor([len(h) - 1 for h in histories], dtype=torch.int64)
+        self._pending = None
+        self._pending_counts = torch.zeros(batch, dtype=torch.int64)
+        self._fed_before = None
+        self._paths = 1
+        hidden3 = 3 * self.head.hidden_size
+        self.recent_features = [torch.zeros(0, hidden3) for _ in range(batch)]
+        self.recent_tokens = [torch.zeros(0, dtype=torch.int64) for _ in range(batch)]
+
+    def observe_target(self, features: torch.Tensor) -> None:
+        """Receive ``[B, n, 3h]`` target features: of the prompt prefill (positions ``0..P-2``) right after
+        :meth:`start`, or of the round's verified slots (slot 0 first) before :meth:`commit`."""
+        features = features.detach()
+        if self._awaiting_prefill:
+            self._awaiting_prefill = False
+            self._pending = features
+            self._pending_counts = self._prompt_pairs.clone()
+        else:
+            self._round_features = features
+
+    def _feed_pending(self, histories: list[list[int]]):
+        """Feed the pending real pairs; return ``(g [B, h], logits [B, Vd], has_context [B] bool)``."""
+        batch = len(histories)
+        counts = self._pending_counts if self._pending_counts is not None else torch.zeros(batch, dtype=torch.int64)
+        width = int(counts.max()) if batch else 0
+        hidden = self.head.hidden_size
+        if width == 0:
+            has = self.kv.lengths.cpu() > 0
+            if bool(has.any()):
+                raise RuntimeError("EAGLE draft has context but no pending pairs: observe_target was not called")
+            dtype = self.head.fuse.weight.dtype
+            return torch.zeros(batch, hidden, dtype=dtype), torch.zeros(batch, self.head.draft_vocab.numel()), has
+        ids, _ = _pad([h[len(h) - int(c) :] if c else [] for h, c in zip(histories, counts.tolist())])
+        ids = ids[:, :width] if ids.shape[1] >= width else ids
+        feats = self._pending[:, :width]
+        out = self.kv.forward(ids, counts, return_outputs=True, features=feats)
+        last = (counts - 1).clamp_min(0)
+        rows = torch.arange(batch)
+        for r in range(batch):
+            c = int(counts[r])
+            if c:
+                self.recent_features[r] = torch.cat([self.recent_features[r], feats[r, :c].float().cpu()])[-self.window :]
+                self.recent_tokens[r] = torch.cat([self.recent_tokens[r], ids[r, :c]])[-self.window :]
+        self._pending = None
+        self._pending_counts = torch.zeros(batch, dtype=torch.int64)
+        return out.hidden[rows, last], out.logits[rows, last].float(), self.kv.lengths.cpu() > 0
+
+    def _sample(self, logits: torch.Tensor, count: int):
+        """Sample ``count`` tokens per row from the head's logits; returns ``(ids [B, count], q_small [B, Vd])``."""
+        q = logits_to_probs(logits, self.sampling).cpu()
+        picks = torch.multinomial(q, count, replacement=True, generator=self.generator)
+        return self.head.draft_vocab.cpu()[picks], q
+
+    def _step(self, tokens: torch.Tensor, g: torch.Tensor):
+        out = self.kv.forward(tokens[:, None], torch.ones(tokens.shape[0], dtype=torch.int64), return_outputs=True, features=g[:, None])
+        return out.hidden[:, -1], out.logits[:, -1].float()
+
+    def propose(self, histories, max_tokens, vocab_size) -> DraftProposal:
+        assert self.kv is not None, "start() must be called first"
+        batch = len(histories)
+        g, logits, has_context = self._feed_pending(histories)
+        self._fed_before = self.kv.lengths.cpu().clone()
+        num = torch.where(has_context, max_tokens.to(torch.int64), torch.zeros_like(max_tokens, dtype=torch.int64))
+        length = int(num.max()) if batch else 0
+        proposal = _empty_proposal(batch, length, vocab_size)
+        proposal.num_tokens = num
+        vocab = self.head.draft_vocab.cpu()
+        for i in range(length):
+            token, q = self._sample(logits, 1)
+            token = token[:, 0]
+            proposal.tokens[:, i] = token
+            proposal.probs[:, i].index_copy_(1, vocab, q)
+            if i + 1 < length:
+                g, logits = self._step(token, g)
+        live = torch.arange(length)[None, :] < num[:, None]
+        proposal.tokens = torch.where(live, proposal.tokens, torch.zeros_like(proposal.tokens))
+        proposal.probs = proposal.probs * live[:, :, None]
+        return proposal
+
+    def propose_paths(self, histories, num_drafts, vocab_size, num_paths):
+        assert self.kv is not None, "start() must be called first"
+        if num_drafts < 1 or num_paths < 1:
+            raise ValueError("propose_paths needs num_drafts >= 1 and num_paths >= 1")
+        batch = len(histories)
+        g, logits, has_context = self._feed_pending(histories)
+        if not bool(has_context.all()):
+            raise ValueError("GBV with the EAGLE draft needs prompts of at least 2 tokens")
+        self._fed_before = self.kv.lengths.cpu().clone()
+        vocab = self.head.draft_vocab.cpu()
+        tokens = torch.zeros(batch, num_paths, num_drafts, dtype=torch.int64)
+        probs = torch.zeros(batch, num_paths, num_drafts, vocab_size, dtype=torch.float32)
+        first, q = self._sample(logits, num_paths)
+        tokens[:, :, 0] = first
+        probs[:, :, 0].index_copy_(2, vocab, q[:, None].expand(batch, num_paths, -1).contiguous())
+        self._paths = 1
+        if num_drafts > 1:
+            self.kv.repeat_interleave(num_paths)
+            g = g.repeat_interleave(num_paths, dim=0)
+            self._paths = num_paths
+        for i in range(1, num_drafts):
+            g, logits = self._step(tokens[:, :, i - 1].reshape(-1), g)
+            token, q = self._sample(logits, 1)
+            tokens[:, :, i] = token.reshape(batch, num_paths)
+            probs[:, :, i].index_copy_(2, vocab, q.reshape(batch, num_paths, -1))
+        return tokens, probs
+
+    def select_path(self, chosen):
+        if self.kv is not None and self._paths > 1:
+            self.kv.select(torch.arange(chosen.shape[0]) * self._paths + chosen.to(torch.int64))
+        self._paths = 1
+
+    def commit(self, accept_len):
+        if self.kv is None or self._fed_before is None:
+            return
+        self.kv.truncate(self._fed_before)  # drop the entries fed with the head's own outputs
+        self._fed_before = None
+        if self._round_features is None:
+            raise RuntimeError("EAGLE draft: the loop did not pass the round's target features (observe_target)")
+        counts = accept_len.to(torch.int64) + 1
+        self._pending = self._round_features[:, : int(counts.max())]
+        self._pending_counts = counts
+        self._round_features = None
+
+    def select(self, rows):
+        if self.kv is not None:
+            self.kv.select(rows)
+        rows_cpu = rows.cpu()
+        if self._pending is not None:
+            self._pending = self._pending.index_select(0, rows.to(self._pending.device))
+        if self._pending_counts is not None:
+            self._pending_counts = self._pending_counts.index_select(0, rows_cpu)
+        if self._fed_before is not None:
+            self._fed_before = self._fed_before.index_select(0, rows_cpu)
+        keep = rows_cpu.tolist()
+        self.recent_features = [self.recent_features[r] for r in keep]
+        self.recent_tokens = [self.recent_tokens[r] for r in keep]
