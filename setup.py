@@ -75,7 +75,7 @@ def _extension():
 setup(
     packages=find_packages("python"),
     package_dir={"": "python"},
-    package_data={"specadapt": ["data/*.jsonl", "data/*.md"]},
+    package_data={"specadapt": ["data/*.jsonl", "data/*.md", "data/*.safetensors"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension},
     options={"bdist_wheel": {"py_limited_api": "cp311"}},

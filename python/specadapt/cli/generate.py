@@ -44,7 +44,8 @@ def add_parser(sub) -> None:
     d = DEFAULTS
     p.add_argument("--model", default=d["model"], help="target: smollm2-135m, a HF model directory or a .gguf file")
     p.add_argument(
-        "--draft", default=d["draft"], help="ngram (prompt lookup), self:N (first N target layers) or a model path"
+        "--draft", default=d["draft"], help="ngram (prompt lookup), eagle (the trained head shipped for smollm2-135m), eagle:PATH "
+        "(a head file), self:N (first N target layers) or a model path"
     )
     p.add_argument("--dataset", default=d["dataset"], help="aime24 | math500 | livecodebench | path to a .jsonl file")
     p.add_argument("--prompt-field", default=None, help="JSON field holding the prompt (None: the dataset's own)")
@@ -115,7 +116,7 @@ def _validate(args) -> list[int]:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if args.verify == "gbv" and draft_kind == "ngram":
-        raise UsageError("--verify gbv needs a sampled draft (--draft self:N or a model path): the ngram draft "
+        raise UsageError("--verify gbv needs a sampled draft (eagle, self:N or a model path): the ngram draft "
                          "proposes one deterministic path")
     if args.limit < 0:
         raise UsageError(f"--limit must be >= 0, got {args.limit}")
@@ -168,7 +169,7 @@ def run(args) -> int:
         raise UsageError(f"--model: {exc}") from None
     try:
         draft = build_draft(args.draft, target, sampling, args.seed, dtype=dtype, device=args.device)
-    except (ModelLoadError, VocabularyMismatchError, ValueError) as exc:
+    except (ModelLoadError, VocabularyMismatchError, ValueError, FileNotFoundError) as exc:
         message = str(exc)
         raise UsageError(message if message.startswith("--draft") else f"--draft: {message}") from None
 
@@ -224,7 +225,6 @@ def _adaptive(args, target, draft):
     from pathlib import Path
 
     from ..budget import CostTable
-    from ..engine import ModelDraft
     from ..engine.adaptive import AdaptiveVerification, profile_engine_costs
     from ..estimator import AcceptanceEstimator
 
@@ -235,7 +235,7 @@ def _adaptive(args, target, draft):
         except ValueError as exc:
             raise UsageError(f"--av-cost-table: {exc}") from None
     else:
-        draft_model = draft.model if isinstance(draft, ModelDraft) else None
+        draft_model = getattr(draft, "model", None)  # self:N / standalone LM / EAGLE head; None for ngram
         costs = profile_engine_costs(target.model, draft_model, (args.num_draft_tokens + 1) * args.batch_size,
                                      args.batch_size, args.num_draft_tokens)
         if path is not None:
@@ -249,13 +249,13 @@ def _adaptive(args, target, draft):
 
 def _warm_up(target, draft) -> None:
     """One tiny forward per model so one-time start-up costs do not land in the first timed run."""
-    from ..engine import ModelDraft, NoDraft, SpeculativeEngine
+    from ..engine import NoDraft, SpeculativeEngine
     from ..sampling import SamplingParams
 
     greedy = SamplingParams(0.0)
     probe = [[1, 2, 3, 4]]
     SpeculativeEngine(target, NoDraft(), greedy, 0).generate(probe, 2)
-    if isinstance(draft, ModelDraft):
+    if getattr(draft, "model", None) is not None:
         SpeculativeEngine(target, draft, greedy, 2).generate(probe, 3)
 
 

@@ -8,6 +8,7 @@ estimator. Pruned drafts are never sent to the target.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass, field
 
@@ -88,8 +89,11 @@ def profile_engine_costs(target_model, draft_model, max_tokens: int, max_request
     def draft_round(r):
         if draft_model is None:
             return
+        extra = {}
+        if "features" in inspect.signature(draft_model.forward).parameters:  # an EAGLE head reads features
+            extra["features"] = torch.zeros(r, 1, draft_model.hidden_size, device=device)
         for _ in range(num_drafts):
-            draft_model(input_ids=torch.ones(r, 1, dtype=torch.int64, device=device))
+            draft_model(input_ids=torch.ones(r, 1, dtype=torch.int64, device=device), **extra)
 
     logger.info("profiling costs: target up to %d tokens, draft up to %d requests", max_tokens, max_requests)
     return profile_costs(target_forward, draft_round, max_tokens, max_requests, repeats)

@@ -270,6 +270,28 @@ class ModelDraft(Draft):
         if self.kv is not None:
             self.kv.select(rows)
 
+    # ---- Test-Time Speculation hooks (see engine/tts_bridge.py) ---------------------------------------------
+    tts_trainable_prefixes = ("model.layers",)  # the draft's own decoder layers; embeddings / norm / head frozen
+
+    def tts_shared(self) -> list:
+        return []
+
+    def tts_vocab(self):
+        return None
+
+    def tts_context(self, row: int, history: list[int], window: int) -> torch.Tensor:
+        """The last ``window`` committed tokens of request ``row`` (``[w] int64``)."""
+        return torch.tensor(history[-window:], dtype=torch.int64)
+
+    @staticmethod
+    def tts_student_logits(module: torch.nn.Module, context: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+        """Differentiable teacher-forced forward: ``[C, V]`` logits that gave ``q_1..q_C``."""
+        device = next(module.parameters()).device
+        ids = torch.cat([context, drafts[:-1]])[None].to(device)
+        logits = module(input_ids=ids, use_cache=False).logits[0]
+        start = context.shape[0] - 1
+        return logits[start : start + drafts.shape[0]]
+
 
 def _pad(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad token lists into ``([B, n] int64, counts [B] int64)`` (pad id 0, masked as holes)."""

@@ -152,7 +152,7 @@ class EagleHead(nn.Module):
             features: ``[B, n, 3h]`` target features (fused here) or ``[B, n, h]`` the head's own earlier
                 outputs ``g`` (used as is).
             attention_mask: additive ``[B, 1, n, T+n]`` mask (see :class:`~specadapt.engine.kv.RaggedKVCache`)
-                or ``None`` for plain causal attention over the chunk.
+                or ``None``: every cached key plus causal attention inside the chunk.
             position_ids: ``[B, n] int64`` logical positions (RoPE).
             cache: a transformers ``DynamicCache`` holding the head's one layer, or ``None``.
             logits_to_keep: 0 = logits at every column, k = the last k columns.
@@ -177,9 +177,11 @@ class EagleHead(nn.Module):
         batch, n = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(n, device=input_ids.device)[None].expand(batch, n)
-        if attention_mask is None:
-            causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
-            attention_mask = torch.where(causal, 0.0, torch.finfo(dtype).min).to(dtype)[None, None].expand(batch, 1, n, n)
+        if attention_mask is None:  # every cached key, causal inside the chunk
+            past = cache.get_seq_length() if cache is not None else 0
+            allowed = torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(diagonal=past)
+            attention_mask = torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
+            attention_mask = attention_mask.expand(batch, 1, n, past + n)
         position_embeddings = self.rotary(x, position_ids)
         out = self.layer(
             x,

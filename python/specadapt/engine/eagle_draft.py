@@ -199,3 +199,38 @@ class EagleDraft(Draft):
         keep = rows_cpu.tolist()
         self.recent_features = [self.recent_features[r] for r in keep]
         self.recent_tokens = [self.recent_tokens[r] for r in keep]
+
+    # ---- Test-Time Speculation hooks (see engine/tts_bridge.py) ---------------------------------------------
+    tts_trainable_prefixes = ("fuse", "input_proj", "layer")
+
+    def tts_shared(self) -> list:
+        """Objects a TTS shadow copy must share: the target's embedding / norm / LM-head rows."""
+        return [self.head._shared]
+
+    def tts_vocab(self) -> torch.Tensor:
+        return self.head.draft_vocab.cpu()
+
+    def tts_context(self, row: int, history: list[int], window: int):
+        """The last ``window`` real (feature, token) pairs of request ``row`` (they end with the round's slot 0)."""
+        return self.recent_features[row][-window:], self.recent_tokens[row][-window:]
+
+    @staticmethod
+    def tts_student_logits(module: EagleHead, context, drafts: torch.Tensor) -> torch.Tensor:
+        """Differentiable re-run of the round's drafting: ``[C, Vd]`` logits that gave ``q_1..q_C``."""
+        from transformers import DynamicCache
+
+        features, tokens = context
+        device = module.fuse.weight.device
+        cache = DynamicCache(config=module.config)
+        out = module(tokens[None].to(device), features[None].to(device), cache=cache, use_cache=True)
+        g, logits = out.hidden[:, -1:], [out.logits[0, -1]]
+        position = tokens.shape[0]
+        for k in range(1, drafts.shape[0]):
+            step = module(
+                drafts[k - 1].view(1, 1).to(device), g, position_ids=torch.tensor([[position]], device=device),
+                cache=cache, use_cache=True,
+            )
+            g = step.hidden[:, -1:]
+            logits.append(step.logits[0, -1])
+            position += 1
+        return torch.stack(logits)

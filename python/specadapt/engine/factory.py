@@ -1,4 +1,4 @@
-"""Build a draft from its command-line spec (``ngram``, ``self:N``, or a model path)."""
+"""Build a draft from its command-line spec (``ngram``, ``eagle``, ``eagle:PATH``, ``self:N``, or a model path)."""
 
 from __future__ import annotations
 
@@ -17,13 +17,20 @@ _SELF = re.compile(r"^self:(\d+)$")
 
 
 def parse_draft_spec(spec: str) -> tuple[str, int | str | None]:
-    """Split a draft spec into ``("ngram", None)``, ``("self", N)`` or ``("model", path)``.
+    """Split a draft spec into ``("ngram", None)``, ``("eagle", path or None)``, ``("self", N)`` or
+    ``("model", path)``.
 
     Raises:
         ValueError: a ``self:`` spec without a positive integer.
     """
     if spec == "ngram":
         return "ngram", None
+    if spec == "eagle":
+        return "eagle", None
+    if spec.startswith("eagle:"):
+        if not spec[6:]:
+            raise ValueError("--draft eagle:PATH needs a path to a head file")
+        return "eagle", spec[6:]
     if spec.startswith("self:"):
         m = _SELF.match(spec)
         if not m or int(m.group(1)) < 1:
@@ -43,7 +50,8 @@ def build_draft(
     """Construct the draft named by ``spec`` for ``target``.
 
     Raises:
-        ValueError: bad ``self:N``; :class:`~specadapt.engine.models.ModelLoadError` for a model path that
+        ValueError: bad ``self:N``, an EAGLE head that does not fit the target, or ``eagle`` for a target
+            other than the embedded default when no head path is given; FileNotFoundError: no head file; :class:`~specadapt.engine.models.ModelLoadError` for a model path that
             cannot be loaded; :class:`~specadapt.engine.drafts.VocabularyMismatchError` for a standalone draft
             whose vocabulary differs from the target's.
     """
@@ -51,8 +59,27 @@ def build_draft(
     generator = torch.Generator().manual_seed(seed + 1)
     if kind == "ngram":
         return NgramDraft()
+    if kind == "eagle":
+        return _eagle(value, target, sampling, generator, spec)
     if kind == "self":
         return ModelDraft(self_draft(target, int(value)), sampling, generator, name=spec)
     draft = load_model(str(value), dtype=dtype, device=device)
     check_same_vocabulary(target, draft)
     return ModelDraft(draft.model, sampling, generator, name=spec)
+
+
+def _eagle(path, target: LoadedModel, sampling: SamplingParams, generator: torch.Generator, spec: str) -> Draft:
+    from .eagle import eagle_default_path, load_eagle_head
+    from .eagle_draft import EagleDraft
+    from .models import EMBEDDED_DEFAULT
+
+    if path is None:
+        if target.name != EMBEDDED_DEFAULT:
+            raise ValueError(
+                f"--draft eagle: the shipped head was trained for {EMBEDDED_DEFAULT}, not {target.name!r}; "
+                "pass --draft eagle:PATH with a head trained for this target (scripts/train_draft.py)"
+            )
+        path = eagle_default_path()
+        if not path.is_file():
+            raise FileNotFoundError(f"--draft eagle: the packaged head {path} is missing (reinstall specadapt)")
+    return EagleDraft(load_eagle_head(path, target.model), sampling, generator, name=spec)

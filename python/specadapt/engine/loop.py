@@ -74,6 +74,8 @@ class SpeculativeEngine:
         num_paths: K, paths drafted per request for ``gbv`` (1 for the other rules).
         adaptive: an :class:`~specadapt.engine.adaptive.AdaptiveVerification` to prune each round's drafts to
             a budget (chain / block only), or ``None``.
+        tts: an :class:`~specadapt.engine.tts_bridge.EngineTTS` (Test-Time Speculation of the draft), or
+            ``None``. It sees every verified round; weights change only at its publish boundaries.
         seed: seeds the coins of verification (the draft carries its own generator).
         verify_impl: ``auto`` (fused C++/CUDA kernel when available, else the float64 reference with a logged
             warning), ``compiled`` or ``reference``; all give the same tokens for the same coins.
@@ -93,6 +95,7 @@ class SpeculativeEngine:
         verify_impl: str = "auto",
         num_paths: int = 1,
         adaptive=None,
+        tts=None,
     ) -> None:
         if num_draft_tokens < 0:
             raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
@@ -118,6 +121,7 @@ class SpeculativeEngine:
         if adaptive is not None and verify == "gbv":
             raise ValueError("adaptive verification works with chain and block, not gbv")
         self.adaptive = adaptive
+        self.tts = tts  # an engine.tts_bridge.EngineTTS or None
         if verify_impl not in kernels.IMPLEMENTATIONS:
             raise ValueError(f"verify_impl must be one of {kernels.IMPLEMENTATIONS}, got {verify_impl!r}")
         self.verify_impl = verify_impl
@@ -264,6 +268,8 @@ class SpeculativeEngine:
         self.draft.commit(accept_len)
         if self.adaptive is not None:
             self.adaptive.observe(features, predictions, accept_len, n_draft)
+        if self.tts is not None and width > 0:
+            self.tts.end_round(histories, proposal.tokens, n_draft, accept_len, target_probs, proposal.probs)
         return accept_len, out.output_tokens, n_draft
 
     def _gbv_round(self, kv: RaggedKVCache, histories: list[list[int]]):
@@ -308,6 +314,10 @@ class SpeculativeEngine:
             self.draft.observe_target(node_features[torch.arange(batch)[:, None], path.to(node_features.device)])
         self.draft.select_path(chosen)
         self.draft.commit(accept_len)
+        if self.tts is not None:
+            b = torch.arange(batch)
+            self.tts.end_round(histories, tokens[b, chosen], torch.full((batch,), L, dtype=torch.int64),
+                               accept_len, target_probs[b, chosen], q[b, chosen])
         return accept_len, out.output_tokens, torch.full((batch,), L, dtype=torch.int64)
 
 

@@ -1,0 +1,177 @@
+"""Test-Time Speculation in the embedded engine: turns each verified round into supervision for
+:class:`specadapt.tts.TTSUpdater` and supplies the draft's differentiable forward as its loss.
+
+Per request and round the snapshot holds: the draft's context (the last ``context_window`` committed tokens,
+or for the EAGLE head its last real (feature, token) pairs), the drafted tokens, the target's ``p`` rows at the
+verified positions (the teacher, restricted and renormalised to the draft vocabulary for a reduced-vocabulary
+head), the ``q`` rows the round was drafted from (the proximal term) and the position weights. The update
+re-runs the draft differentiably on the shadow copy over that context (keys and values of older positions are
+not in the graph: truncated back-propagation over ``context_window`` tokens).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..sampling import SamplingParams
+from ..tts import TTSConfig, TTSUpdater, add_lora, position_weights, supervised_counts, tts_loss
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TTSExample", "EngineTTS"]
+
+
+@dataclass
+class TTSExample:
+    """Supervision of one request in one round (CPU tensors).
+
+    Attributes:
+        context: draft-specific context (see the module docstring).
+        drafts: ``[C] int64`` drafted tokens of the supervised positions.
+        teacher: ``[C, V'] float32`` target rows (over the draft vocabulary ``V'``).
+        proximal: ``[C, V'] float32`` the draft's rows ``q_t`` that drafted the round.
+        weights: ``[C] float32`` position weights.
+    """
+
+    context: Any
+    drafts: torch.Tensor
+    teacher: torch.Tensor
+    proximal: torch.Tensor
+    weights: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        parts = list(self.context) if isinstance(self.context, tuple) else [self.context]
+        tensors = parts + [self.drafts, self.teacher, self.proximal, self.weights]
+        return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
+
+class EngineTTS:
+    """Test-Time Speculation of one model draft (``self:N``, a standalone LM, or the EAGLE head).
+
+    Args:
+        draft: a draft with the ``tts_*`` hooks (:class:`~specadapt.engine.drafts.ModelDraft`,
+            :class:`~specadapt.engine.eagle_draft.EagleDraft`).
+        config: :class:`~specadapt.tts.TTSConfig`.
+        sampling: the run's sampling settings (the student's temperature).
+        asynchronous: background-thread updates (default) or inline.
+
+    Raises:
+        ValueError: a draft without trainable layers (``ngram``, target-only).
+    """
+
+    def __init__(self, draft, config: TTSConfig, sampling: SamplingParams, asynchronous: bool = True) -> None:
+        module = getattr(draft, "model", None)
+        if module is None or not hasattr(draft, "tts_student_logits"):
+            raise ValueError(f"--tts needs a model draft (eagle, self:N or a model path), not {draft.name!r}")
+        self.draft = draft
+        self.config = config
+        self.sampling = sampling
+        prefixes = list(draft.tts_trainable_prefixes)
+        if config.params == "lora":
+            adapted = add_lora(module, config.lora_rank, prefixes)
+            logger.info("TTS: LoRA rank %d on %d layers", config.lora_rank, len(adapted))
+
+            def trainable(name, _):
+                return ".lora_a" in name or ".lora_b" in name or name.startswith(("lora_a", "lora_b"))
+        else:
+
+            def trainable(name, _):
+                return any(name == p or name.startswith(p + ".") for p in prefixes) and ".lora_" not in name
+
+        self.vocab = draft.tts_vocab()
+        self.updater = TTSUpdater(
+            module, trainable, self._loss, config, share=draft.tts_shared(), asynchronous=asynchronous,
+            example_bytes=lambda ex: ex.nbytes,
+        )
+        logger.info("TTS: training %d tensors (%.1f MB), stride %d, lr %g",
+                    len(self.updater.names), self.updater.memory_bytes()["trainable"] / 1e6, config.stride, config.lr)
+
+    @property
+    def stats(self):
+        return self.updater.stats
+
+    def end_round(
+        self,
+        histories: list[list[int]],
+        drafts: torch.Tensor,
+        num_drafted: torch.Tensor,
+        accept_len: torch.Tensor,
+        target_probs: torch.Tensor,
+        draft_probs: torch.Tensor,
+    ) -> None:
+        """Snapshot one verified round and advance the updater.
+
+        Args:
+            histories: committed tokens per request before the round.
+            drafts: ``[B, w] int64``; num_drafted: ``[B]``; accept_len: ``[B]`` (``tau``).
+            target_probs: ``[B, >= w, V]`` the target rows at slots ``0..w-1`` (slot ``k-1`` verifies draft k).
+            draft_probs: ``[B, w, V]`` the rows the drafts were sampled from.
+        """
+        counts = supervised_counts(num_drafted.cpu(), accept_len.cpu(), self.config.supervise)
+        width = drafts.shape[1]
+        weights = position_weights(counts, width, self.config.position_decay)
+        examples = []
+        for r in range(drafts.shape[0]):
+            c = int(counts[r])
+            if c == 0:
+                continue
+            teacher = target_probs[r, :c].float().cpu()
+            proximal = draft_probs[r, :c].float().cpu()
+            if self.vocab is not None:
+                teacher = teacher.index_select(1, self.vocab)
+                proximal = proximal.index_select(1, self.vocab)
+                mass = teacher.sum(dim=1, keepdim=True)
+                keep = mass[:, 0] > 0
+                teacher = torch.where(keep[:, None], teacher / mass.clamp_min(1e-30), torch.zeros(()))
+                w = weights[r, :c] * keep
+            else:
+                w = weights[r, :c]
+            if not bool((w > 0).any()):
+                continue
+            context = self.draft.tts_context(r, histories[r], self.config.context_window)
+            examples.append(TTSExample(context, drafts[r, :c].clone(), teacher, proximal, w.clone()))
+        drafted = num_drafted > 0
+        mean_accept = float((accept_len[drafted] + 1).double().mean()) if bool(drafted.any()) else None
+        self.updater.end_round(examples, mean_accept)
+
+    def _loss(self, module: torch.nn.Module, examples: list[TTSExample]) -> torch.Tensor:
+        width = max(ex.drafts.shape[0] for ex in examples)
+        vocab = examples[0].teacher.shape[1]
+        n = len(examples)
+        device = next(p for p in module.parameters()).device
+        student = []
+        teacher = torch.zeros(n, width, vocab)
+        proximal = torch.zeros(n, width, vocab)
+        weights = torch.zeros(n, width)
+        for i, ex in enumerate(examples):
+            c = ex.drafts.shape[0]
+            logits = self.draft.tts_student_logits(module, ex.context, ex.drafts).float()
+            if c < width:
+                logits = torch.cat([logits, logits.new_zeros(width - c, logits.shape[1])])
+            student.append(logits)
+            teacher[i, :c] = ex.teacher
+            proximal[i, :c] = ex.proximal
+            weights[i, :c] = ex.weights
+        return tts_loss(
+            torch.stack(student), teacher.to(device), weights.to(device), self.sampling.temperature,
+            proximal.to(device), self.config.proximal_weight,
+        )
+
+    def close(self) -> None:
+        self.updater.close()
+
+    def summary(self) -> dict:
+        """Counters and memory for reports (JSON-serialisable)."""
+        s = self.stats
+        return {
+            "updates": s.updates, "skipped": s.skipped, "rollbacks": s.rollbacks, "publishes": s.publishes,
+            "publish_wait_seconds": s.publish_wait_seconds, "train_seconds": s.train_seconds,
+            "mean_loss_first10": sum(s.losses[:10]) / max(len(s.losses[:10]), 1),
+            "mean_loss_last10": sum(s.losses[-10:]) / max(len(s.losses[-10:]), 1),
+            "memory_bytes": self.updater.memory_bytes(),
+        }

@@ -1,0 +1,285 @@
+"""Test-Time Speculation: the loss, the updater's publish / skip / rollback protocol, LoRA, and the engine
+(losslessness, frozen target and shared weights, the draft actually moving towards the target)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import loaded, tiny_llama
+from test_eagle import make_head
+from test_engine_tiny import GREEDY, PROMPTS, naive_greedy
+from specadapt.engine import ModelDraft, SpeculativeEngine
+from specadapt.engine.drafts import self_draft
+from specadapt.engine.eagle_draft import EagleDraft
+from specadapt.engine.tts_bridge import EngineTTS
+from specadapt.sampling import SamplingParams
+from specadapt.tts import TTSConfig, TTSUpdater, add_lora, position_weights, supervised_counts, tts_loss
+
+
+# ---- loss ----------------------------------------------------------------------------------------------------
+def test_supervised_counts_and_weights():
+    drafted = torch.tensor([5, 5, 3, 0])
+    tau = torch.tensor([0, 5, 2, 0])
+    assert supervised_counts(drafted, tau, "accepted").tolist() == [1, 5, 3, 0]
+    assert supervised_counts(drafted, tau, "canvas").tolist() == [5, 5, 3, 0]
+    w = position_weights(torch.tensor([2, 0]), 3, 0.5)
+    assert w.tolist() == [[1.0, 0.5, 0.0], [0.0, 0.0, 0.0]]
+    with pytest.raises(ValueError, match="supervise mode"):
+        supervised_counts(drafted, tau, "all")
+    with pytest.raises(ValueError, match="accept_len"):
+        supervised_counts(drafted, torch.tensor([6, 0, 0, 0]), "canvas")
+    with pytest.raises(ValueError, match="gamma"):
+        position_weights(torch.tensor([1]), 2, 0.0)
+
+
+def test_loss_equals_weighted_kl_by_hand():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 4)
+    p = torch.softmax(torch.randn(2, 3, 4), -1)
+    p[0, 0] = torch.tensor([0.0, 0.5, 0.5, 0.0])  # zeros in the teacher are fine (0 log 0 = 0)
+    old = torch.softmax(torch.randn(2, 3, 4), -1)
+    w = torch.tensor([[1.0, 0.8, 0.0], [1.0, 0.0, 0.0]])
+    T, lam = 0.7, 0.3
+    q = torch.softmax(logits / T, -1)
+    expected = 0.0
+    for n in range(2):
+        for k in range(3):
+            if w[n, k] == 0:
+                continue
+            kl = sum(float(p[n, k, v] * math.log(p[n, k, v] / q[n, k, v])) for v in range(4) if p[n, k, v] > 0)
+            prox = sum(float(old[n, k, v] * math.log(old[n, k, v] / q[n, k, v])) for v in range(4))
+            expected += float(w[n, k]) * (kl + lam * prox)
+    got = tts_loss(logits, p, w, T, old, lam)
+    assert got.item() == pytest.approx(expected / 2, rel=1e-5)
+
+
+def test_proximal_gradient_vanishes_at_the_drafting_weights():
+    """The spec's note: with one step at q_t's own weights the proximal term has zero gradient."""
+    logits = torch.randn(1, 2, 5, requires_grad=True)
+    q_t = torch.softmax(logits.detach(), -1)
+    loss = tts_loss(logits, torch.softmax(torch.randn(1, 2, 5), -1), torch.ones(1, 2), 1.0, q_t, 1.0)
+    loss_no_prox = tts_loss(logits, torch.softmax(torch.randn(1, 2, 5), -1), torch.ones(1, 2), 1.0)
+    (g_prox,) = torch.autograd.grad(
+        tts_loss(logits, q_t, torch.ones(1, 2), 1.0, q_t, 1.0), logits
+    )
+    assert torch.allclose(g_prox, torch.zeros_like(g_prox), atol=1e-6)
+    assert loss.item() > 0 and loss_no_prox.item() > 0
+
+
+def test_loss_bad_input():
+    with pytest.raises(ValueError, match="shapes differ"):
+        tts_loss(torch.zeros(1, 2, 3), torch.zeros(1, 2, 4), torch.ones(1, 2))
+    with pytest.raises(ValueError, match="proximal_weight"):
+        tts_loss(torch.zeros(1, 2, 3), torch.zeros(1, 2, 3), torch.ones(1, 2), proximal_weight=-1)
+    with pytest.raises(ValueError, match="proximal_probs"):
+        tts_loss(torch.zeros(1, 2, 3), torch.zeros(1, 2, 3), torch.ones(1, 2), proximal_weight=0.5)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [({"stride": 0}, "stride"), ({"lr": 0}, "lr"), ({"params": "all"}, "params"), ({"lora_rank": 0}, "rank"),
+     ({"supervise": "x"}, "supervise"), ({"position_decay": 1.5}, "decay"), ({"rollback_margin": 0}, "margin")],
+)
+def test_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TTSConfig(**kwargs)
+
+
+# ---- updater protocol ----------------------------------------------------------------------------------------
+class Toy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Linear(3, 3)
+        self.own = nn.Linear(3, 3)
+
+
+def _toy_updater(config, loss=None, asynchronous=True):
+    torch.manual_seed(0)
+    model = Toy().requires_grad_(False)
+    x = torch.randn(4, 3)
+
+    def loss_fn(module, examples):
+        if loss is not None:
+            return loss(module)
+        return ((module.own(module.frozen(x)) - 1.0) ** 2).mean() * len(examples)
+
+    up = TTSUpdater(model, lambda n, p: n.startswith("own."), loss_fn, config, asynchronous=asynchronous)
+    return model, up
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_publish_happens_in_place_at_stride_boundaries_only(asynchronous):
+    model, up = _toy_updater(TTSConfig(stride=3, lr=0.1), asynchronous=asynchronous)
+    addresses = [p.data_ptr() for p in model.parameters()]
+    frozen_before = model.frozen.weight.clone()
+    own_before = model.own.weight.clone()
+    for _ in range(5):  # boundary at round 3 submits the first update; nothing is published before round 6
+        up.end_round(["ex"], 2.0)
+    assert torch.equal(model.own.weight, own_before)
+    assert up.stats.publishes == 0
+    up.end_round(["ex"], 2.0)  # round 6: wait for the update, publish it, submit the next
+    assert up.stats.publishes == 1 and up.stats.updates >= 1
+    assert not torch.equal(model.own.weight, own_before)
+    assert [p.data_ptr() for p in model.parameters()] == addresses
+    assert torch.equal(model.frozen.weight, frozen_before)
+    assert up.shadow.frozen.weight is model.frozen.weight  # frozen tensors are shared, not copied
+    up.close()
+    assert torch.equal(model.own.weight, up.shadow.own.weight.detach())
+    mem = up.memory_bytes()
+    assert mem["shadow"] == mem["trainable"] and mem["optimizer"] == 2 * mem["trainable"]
+
+
+def test_non_finite_loss_or_gradient_is_skipped():
+    model, up = _toy_updater(TTSConfig(stride=1), loss=lambda m: m.own.weight.sum() * float("nan"))
+    before = model.own.weight.clone()
+    for _ in range(4):
+        up.end_round(["ex"], 1.0)
+    up.close()
+    assert up.stats.skipped == 4 and up.stats.updates == 0
+    assert torch.equal(model.own.weight, before)
+
+    model, up = _toy_updater(TTSConfig(stride=1), loss=lambda m: (m.own.weight * torch.tensor(float("inf"))).sum() * 0)
+    for _ in range(2):
+        up.end_round(["ex"], 1.0)
+    up.close()
+    assert up.stats.updates == 0 and up.stats.skipped == 2
+
+
+def test_rollback_restores_last_good_weights_when_acceptance_collapses():
+    config = TTSConfig(stride=1, lr=0.5, rollback_window=2, rollback_margin=0.5)
+    model, up = _toy_updater(config, asynchronous=False)
+    after = []
+    for acc in [3.0, 3.0, 3.0, 1.0]:  # baseline 3.0 (rounds before the first publish), then 3 / 1: mean 2 >= 1.5
+        up.end_round(["ex"], acc)
+        after.append(model.own.weight.clone())
+    assert up.stats.rollbacks == 0
+    up.end_round(["ex"], 1.0)  # rolling mean 1.0 < (1 - 0.5) * 3.0: restore the weights of the last healthy check
+    assert up.stats.rollbacks == 1
+    torch.testing.assert_close(model.own.weight, after[-1], atol=1e-2, rtol=1e-2)  # kept in bfloat16
+    assert not torch.equal(after[-1], after[-2])
+    # the optimizer restarted: only the step submitted after the rollback is in its state
+    assert all(int(state["step"]) == 1 for state in up.optimizer.state.values())
+    up.close()
+
+
+def test_lora_starts_equal_and_trains_only_adapters():
+    torch.manual_seed(0)
+    model = Toy().requires_grad_(False)
+    x = torch.randn(2, 3)
+    before = model.own(x)
+    names = add_lora(model, 2, ["own"])
+    assert names == ["own"]
+    torch.testing.assert_close(model.own(x), before)
+    with pytest.raises(ValueError, match="no submodule"):
+        add_lora(model, 2, ["missing"])
+    with pytest.raises(ValueError, match="rank"):
+        add_lora(Toy(), 0, ["own"])
+
+
+# ---- engine --------------------------------------------------------------------------------------------------
+def _tts_draft(target, kind, params):
+    gen = torch.Generator().manual_seed(5)
+    if kind == "eagle":
+        return EagleDraft(make_head(target.model), params, gen)
+    return ModelDraft(self_draft(target, 1), params, gen, "self:1")
+
+
+@pytest.mark.parametrize("kind", ["self:1", "eagle"])
+@pytest.mark.parametrize("params", ["full", "lora"])
+def test_tts_keeps_greedy_output_and_target_weights_bit_identical(tiny_target, kind, params):
+    n = 24
+    expected = [naive_greedy(tiny_target.model, p, n) for p in PROMPTS]
+    target_before = {k: v.clone() for k, v in tiny_target.model.state_dict().items()}
+    draft = _tts_draft(tiny_target, kind, GREEDY)
+    shared_before = {}
+    if kind == "self:1":
+        shared_before = {k: v.clone() for k, v in draft.model.state_dict().items() if "layers" not in k}
+    own_before = {n_: p.clone() for n_, p in draft.model.named_parameters()}
+    tts = EngineTTS(draft, TTSConfig(stride=1, lr=1e-2, params=params, supervise="canvas"), GREEDY)
+    engine = SpeculativeEngine(tiny_target, draft, GREEDY, 3, "block", tts=tts)
+    results = engine.generate(PROMPTS, n, batch_size=3)
+    tts.close()
+    assert [r.output_ids for r in results] == expected
+    for k, v in tiny_target.model.state_dict().items():
+        assert torch.equal(v, target_before[k]), f"target weight {k} changed"
+    for k, v in shared_before.items():
+        assert torch.equal(draft.model.state_dict()[k], v), f"shared draft weight {k} changed"
+    assert tts.stats.updates > 0
+    changed = [n_ for n_, p in draft.model.named_parameters() if n_ in own_before and not torch.equal(p, own_before[n_])]
+    if params == "full":
+        assert changed, "TTS never changed the draft's own weights"
+    else:
+        assert not changed, "LoRA mode must not touch the base weights"
+        assert any(".lora_b" in n_ and p.abs().sum() > 0 for n_, p in draft.model.named_parameters())
+
+
+@pytest.mark.parametrize("kind", ["self:1", "eagle"])
+@pytest.mark.parametrize("verify", ["block", "gbv"])
+def test_student_forward_reproduces_the_rows_the_round_was_drafted_from(tiny_target, kind, verify):
+    """The differentiable re-run of the draft (before any publish) gives exactly the q rows of the round:
+    the snapshot's context, drafts and teacher rows line up."""
+    params = SamplingParams(0.9)
+    draft = _tts_draft(tiny_target, kind, params)
+    tts = EngineTTS(draft, TTSConfig(stride=10_000, supervise="canvas"), params)
+    checked = []
+    original = tts.updater.end_round
+
+    def checking(examples, acceptance):
+        for ex in examples:
+            with torch.no_grad():
+                logits = draft.tts_student_logits(draft.model, ex.context, ex.drafts)
+            q = torch.softmax(logits.float() / params.temperature, -1)
+            torch.testing.assert_close(q, ex.proximal, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(ex.teacher.sum(-1), torch.ones(ex.teacher.shape[0]))
+            checked.append(ex)
+        original(examples, acceptance)
+
+    tts.updater.end_round = checking
+    num_paths = 2 if verify == "gbv" else 1
+    SpeculativeEngine(tiny_target, draft, params, 3, verify, seed=2, tts=tts, num_paths=num_paths).generate(
+        [p for p in PROMPTS if len(p) > 1], 30, batch_size=3
+    )
+    tts.close()
+    assert len(checked) > 10
+
+
+def test_tts_moves_the_draft_towards_the_target():
+    """A draft that is a perturbed copy of the target (same architecture, noisy decoder layer): sampled
+    decoding with TTS pulls its agreement sum min(p, q) with the target up on held-out text."""
+    import copy
+
+    model = tiny_llama(vocab=16, layers=1, seed=2, init_std=0.3)
+    target = loaded(model)
+    params = SamplingParams(1.0)
+    noisy = copy.deepcopy(model)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in noisy.model.layers.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    draft = ModelDraft(noisy, params, torch.Generator().manual_seed(1), "noisy")
+    probe = torch.randint(0, 16, (1, 60), generator=torch.Generator().manual_seed(3))
+
+    def agreement():
+        with torch.no_grad():
+            p = torch.softmax(model(input_ids=probe).logits[0], -1)
+            q = torch.softmax(noisy(input_ids=probe).logits[0], -1)
+        return float(torch.minimum(p, q).sum(-1).mean())
+
+    before = agreement()
+    tts = EngineTTS(draft, TTSConfig(stride=1, lr=3e-3, supervise="canvas"), params)
+    SpeculativeEngine(target, draft, params, 4, "block", seed=1, tts=tts).generate([[1, 2, 3]] * 4, 120, batch_size=4)
+    tts.close()
+    after = agreement()
+    assert tts.stats.updates > 20
+    assert after > before + 0.05, (before, after)
+
+
+def test_tts_needs_a_model_draft(tiny_target):
+    from specadapt.engine import NgramDraft
+
+    with pytest.raises(ValueError, match="model draft"):
+        EngineTTS(NgramDraft(), TTSConfig(), GREEDY)
