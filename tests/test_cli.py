@@ -39,6 +39,15 @@ def _run(capsys, *argv):
         (["--verify", "gbv"], "--verify gbv"),
         (["--draft", "self:0"], "--draft"),
         (["--num-paths", "2"], "--num-paths"),
+        (["--tts"], "--tts"),  # the default draft (ngram) has no weights
+        (["--tts", "--draft", "self:2", "--tts-stride", "0"], "--tts-stride"),
+        (["--tts", "--draft", "self:2", "--tts-lr", "0"], "--tts-lr"),
+        (["--tts", "--draft", "self:2", "--tts-lambda", "-1"], "--tts-lambda"),
+        (["--tts", "--draft", "self:2", "--tts-position-decay", "2"], "--tts-position-decay"),
+        (["--tts", "--draft", "self:2", "--tts-lora-rank", "0"], "--tts-lora-rank"),
+        (["--tts", "--draft", "self:2", "--tts-params", "most"], "--tts-params"),
+        (["--tts", "--draft", "self:2", "--tts-rollback-margin", "0"], "--tts-rollback-margin"),
+        (["--draft", "eagle:"], "--draft"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(capsys, argv, flag):
@@ -128,3 +137,21 @@ def test_generate_with_adaptive_verification(capsys, tiny_model_dir, tmp_path):
     costs.write_text("not json")
     code, _, err = _run(capsys, *args)
     assert code == 2 and "--av-cost-table" in err
+
+
+@pytest.mark.parametrize("params", ["full", "lora"])
+def test_generate_with_tts(capsys, tiny_model_dir, tmp_path, params):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "what is the sum of two and three"}) + "\n")
+    out = tmp_path / "tts.json"
+    code, _, _ = _run(capsys, "--model", str(tiny_model_dir), "--draft", "self:1", "--dataset", str(data),
+                      "--max-new-tokens", "40", "--tts", "--tts-stride", "2", "--tts-params", params, "--json", str(out))
+    assert code == 0
+    stats = json.loads(out.read_text())["config"]["tts_stats"]
+    assert stats["updates"] + stats["skipped"] > 0
+    assert stats["memory_bytes"]["total"] > 0
+
+
+def test_eagle_needs_a_head_for_other_targets(capsys, tiny_model_dir):
+    code, _, err = _run(capsys, "--model", str(tiny_model_dir), "--draft", "eagle", "--limit", "1")
+    assert code == 2 and "--draft eagle" in err and "eagle:PATH" in err

@@ -73,6 +73,29 @@ def add_parser(sub) -> None:
     av.add_argument("--av-init-intercept", type=float, default=-0.2, help="initial per-position intercept beta_k")
     av.add_argument("--av-cost-table", default=None, metavar="PATH",
                     help="load the cost table from PATH if it exists, else profile it at start-up and save it there")
+    tts = p.add_argument_group("Test-Time Speculation (online distillation of a model draft)")
+    tts.add_argument("--tts", action="store_true",
+                     help="train the draft online on the target's verification pass (eagle, self:N or a model draft)")
+    tts.add_argument("--tts-stride", type=int, default=5,
+                     help="S, rounds between updates (the paper's best throughput used 5; 1 maximises acceptance)")
+    tts.add_argument("--tts-lr", type=float, default=1e-3,
+                     help="Adam learning rate (the spec's probe on this model: 1e-3 beat 1e-4 on long outputs)")
+    tts.add_argument("--tts-lambda", type=float, default=0.1,
+                     help="weight of the proximal KL(q_t || q) term (acts on stale asynchronous steps)")
+    tts.add_argument("--tts-position-decay", type=float, default=0.8, help="gamma of the position weights gamma^(k-1)")
+    tts.add_argument("--tts-params", default="full", choices=["full", "lora"],
+                     help="train the draft's own layers, or low-rank adapters on them")
+    tts.add_argument("--tts-lora-rank", type=int, default=8, help="adapter rank for --tts-params lora")
+    tts.add_argument("--tts-supervise", default="accepted", choices=["accepted", "canvas"],
+                     help="positions supervised: up to the first rejection plus one, or every verified position")
+    tts.add_argument("--tts-rounds", default="all", choices=["all", "latest"],
+                     help="an update trains on every round since the previous one, or on the latest round only")
+    tts.add_argument("--tts-rollback-margin", type=float, default=0.5,
+                     help="roll back when the rolling acceptance length < (1 - margin) x the pre-adaptation one")
+    tts.add_argument("--tts-context-window", type=int, default=64,
+                     help="committed tokens of context the differentiable draft forward sees")
+    tts.add_argument("--tts-sync", action="store_true",
+                     help="run updates inline at the boundary instead of on a background thread (debugging)")
     p.add_argument("--batch-size", type=int, default=d["batch_size"], help="requests decoded together")
     p.add_argument("--seed", type=int, default=d["seed"], help="seeds the coins of verification and the draft")
     p.add_argument("--dtype", default=d["dtype"], choices=["float32", "bfloat16"], help="weights and activations")
@@ -118,6 +141,14 @@ def _validate(args) -> list[int]:
     if args.verify == "gbv" and draft_kind == "ngram":
         raise UsageError("--verify gbv needs a sampled draft (eagle, self:N or a model path): the ngram draft "
                          "proposes one deterministic path")
+    if args.tts:
+        if draft_kind == "ngram":
+            raise UsageError("--tts needs a model draft (--draft eagle, self:N or a model path): ngram has no weights")
+        try:
+            _tts_config(args)
+        except ValueError as exc:
+            head, _, tail = str(exc).partition(" must")  # "tts stride must be >= 1" -> "--tts-stride must be >= 1"
+            raise UsageError(f"--{head.replace(' ', '-')} must{tail}") from None
     if args.limit < 0:
         raise UsageError(f"--limit must be >= 0, got {args.limit}")
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
@@ -189,14 +220,22 @@ def run(args) -> int:
     torch.manual_seed(args.seed)
     _warm_up(target, draft)
     adaptive = _adaptive(args, target, draft) if args.adaptive_verification else None
+    tts = None
+    if args.tts:
+        from ..engine.tts_bridge import EngineTTS
+
+        tts = EngineTTS(draft, _tts_config(args), sampling, asynchronous=not args.tts_sync)
     try:
         spec_engine = SpeculativeEngine(
             target, draft, sampling, args.num_draft_tokens, args.verify, seed=args.seed,
-            verify_impl=args.verify_impl, num_paths=args.num_paths, adaptive=adaptive,
+            verify_impl=args.verify_impl, num_paths=args.num_paths, adaptive=adaptive, tts=tts,
         )
     except ValueError as exc:
         raise UsageError(f"--verify: {exc}") from None
-    spec_results, spec_seconds = _timed(spec_engine, token_ids, limits, args, f"speculative ({args.draft})")
+    label = f"speculative ({args.draft}{' + TTS' if tts else ''})"
+    spec_results, spec_seconds = _timed(spec_engine, token_ids, limits, args, label)
+    if tts is not None:
+        tts.close()
     base_results = base_seconds = None
     if args.baseline:
         base_engine = SpeculativeEngine(
@@ -208,6 +247,8 @@ def run(args) -> int:
     if adaptive is not None:
         config.update(av_pruned_drafts=adaptive.pruned, av_verified_drafts=adaptive.verified,
                       av_slope=adaptive.estimator.slope, av_intercepts=adaptive.estimator.intercepts.tolist())
+    if tts is not None:
+        config.update(tts_stats=tts.summary())
     config.update(torch_version=torch.__version__, torch_threads=torch.get_num_threads())
     report = build_report(
         config, prompts, target.tokenizer, spec_results, spec_seconds, base_results, base_seconds, edges,
@@ -218,6 +259,17 @@ def run(args) -> int:
         write_json(report, args.json)
         print(f"wrote {args.json}")
     return 0
+
+
+def _tts_config(args):
+    from ..tts import TTSConfig
+
+    return TTSConfig(
+        stride=args.tts_stride, lr=args.tts_lr, proximal_weight=args.tts_lambda,
+        position_decay=args.tts_position_decay, params=args.tts_params, lora_rank=args.tts_lora_rank,
+        supervise=args.tts_supervise, rounds=args.tts_rounds, rollback_margin=args.tts_rollback_margin,
+        context_window=args.tts_context_window,
+    )
 
 
 def _adaptive(args, target, draft):
