@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU check for a session lent a GPU machine (one H200, no internet, torch + nvcc + triton + cupy installed).
-# Builds the CUDA extension, runs the CUDA tests (cross-implementation equality, chi-square) and the kernel
+# Builds the CUDA extension, runs the CUDA tests (cross-implementation equality, chi-square, TTS CUDA-graph
+# safety) and the kernel
 # benchmark, and writes logs and JSON under $OUT. Budget: under 8 minutes.
 #   device run:  bash scripts/device_check.sh
 set -uo pipefail
@@ -18,7 +19,7 @@ echo "build rc=$?" | tee -a "$OUT/summary.txt"
 python -c "import torch, specadapt.kernels as k; print('cuda ops:', k.has_op_for('block_verify', torch.device('cuda')))" \
   >> "$OUT/summary.txt" 2>&1
 
-timeout 180 python -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py tests/test_kernels.py \
+timeout 180 python -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py tests/test_kernels.py tests/test_tts_cuda.py \
   > "$OUT/pytest_cuda.log" 2>&1
 echo "pytest rc=$?" | tee -a "$OUT/summary.txt"
 tail -3 "$OUT/pytest_cuda.log" >> "$OUT/summary.txt"

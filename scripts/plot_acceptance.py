@@ -1,0 +1,72 @@
+#!/usr/bin/env python
+"""Plot acceptance length against output position, one curve per `specadapt generate --json` file.
+
+    python scripts/plot_acceptance.py results/tts_T1.0/*.json --out docs/figures/tts_acceptance.png
+
+x: the middle of each output-position bucket of the runs' ``summary.acceptance_by_position`` (choose fine
+buckets with ``--bucket-edges``); y: acceptance length (tokens per round) in that bucket. Needs matplotlib
+(``pip install specadapt[plot]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def curve(report: dict) -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for b in report["summary"]["acceptance_by_position"]:
+        if b["rounds"] and b["acceptance_length"] is not None:
+            end = b["end"] if b["end"] is not None else b["start"] * 2
+            xs.append((b["start"] + end) / 2)
+            ys.append(b["acceptance_length"])
+    return xs, ys
+
+
+def name(report: dict, path: Path) -> str:
+    c = report.get("config", {})
+    text = c.get("draft", path.stem)
+    if c.get("tts"):
+        text += f" + TTS S={c.get('tts_stride')}"
+    return text
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("files", nargs="+", type=Path, help="JSON files written by specadapt generate --json")
+    ap.add_argument("--out", type=Path, required=True, help="PNG to write")
+    ap.add_argument("--title", default="acceptance length vs output position")
+    args = ap.parse_args(argv)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plot_acceptance: matplotlib is not installed (pip install 'specadapt[plot]')", file=sys.stderr)
+        return 2
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for path in args.files:
+        if not path.is_file():
+            print(f"plot_acceptance: {path} does not exist", file=sys.stderr)
+            return 2
+        report = json.loads(path.read_text())
+        xs, ys = curve(report)
+        ax.plot(xs, ys, marker="o", label=name(report, path))
+    ax.set_xlabel("output position (tokens)")
+    ax.set_ylabel("acceptance length (tokens / round)")
+    ax.set_title(args.title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=120)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
