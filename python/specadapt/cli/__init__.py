@@ -3,6 +3,7 @@
 Commands:
     generate        long-generation speculative decoding on benchmark prompts with the embedded engine.
     bench-kernels   microbenchmark of the fused verification kernels against the reference.
+    eval-estimator  calibration (AUC, log-loss, ECE) of the acceptance estimator from a --log-drafts file.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ __all__ = ["main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import bench_kernels, generate
+    from . import bench_kernels, eval_estimator, generate
 
     parser = OneLineErrorParser(prog="specadapt", description=__doc__.split("\n")[0])
     parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrorParser)
     generate.add_parser(sub)
     bench_kernels.add_parser(sub)
+    eval_estimator.add_parser(sub)
     return parser
 
 

@@ -71,6 +71,9 @@ def add_parser(sub) -> None:
     av.add_argument("--av-damping", type=float, default=50.0, help="D in the evidence damping n/(n+D)")
     av.add_argument("--av-init-slope", type=float, default=0.5, help="initial shared slope omega")
     av.add_argument("--av-init-intercept", type=float, default=-0.2, help="initial per-position intercept beta_k")
+    av.add_argument("--log-drafts", default=None, metavar="PATH",
+                    help="write one JSON line per verified draft (feature, position, prediction, label) for "
+                         "`specadapt eval-estimator`; without --adaptive-verification the estimator runs without pruning")
     av.add_argument("--av-cost-table", default=None, metavar="PATH",
                     help="load the cost table from PATH if it exists, else profile it at start-up and save it there")
     tts = p.add_argument_group("Test-Time Speculation (online distillation of a model draft)")
@@ -132,6 +135,8 @@ def _validate(args) -> list[int]:
         raise UsageError(f"--av-damping must be >= 0, got {args.av_damping}")
     if args.adaptive_verification and args.verify == "gbv":
         raise UsageError("--adaptive-verification works with --verify chain or block, not gbv")
+    if args.log_drafts and args.verify == "gbv":
+        raise UsageError("--log-drafts logs the estimator of chain / block verification, not gbv")
     from ..engine.factory import parse_draft_spec
 
     try:
@@ -219,7 +224,15 @@ def run(args) -> int:
 
     torch.manual_seed(args.seed)
     _warm_up(target, draft)
-    adaptive = _adaptive(args, target, draft) if args.adaptive_verification else None
+    adaptive = _adaptive(args, target, draft) if (args.adaptive_verification or args.log_drafts) else None
+    draft_log = None
+    if args.log_drafts:
+        try:
+            draft_log = open(args.log_drafts, "w", encoding="utf-8")
+        except OSError as exc:
+            raise UsageError(f"--log-drafts: cannot write {args.log_drafts!r}: {exc.strerror}") from None
+        adaptive.draft_log = draft_log
+        adaptive.prune = args.adaptive_verification
     tts = None
     if args.tts:
         from ..engine.tts_bridge import EngineTTS
@@ -236,6 +249,8 @@ def run(args) -> int:
     spec_results, spec_seconds = _timed(spec_engine, token_ids, limits, args, label)
     if tts is not None:
         tts.close()
+    if draft_log is not None:
+        draft_log.close()
     base_results = base_seconds = None
     if args.baseline:
         base_engine = SpeculativeEngine(

@@ -33,6 +33,9 @@ class AdaptiveVerification:
         costs: target / draft cost table.
         stale_budget: B* chosen from the previous round (``None`` before the first round: verify everything).
         pruned, verified: counters of draft tokens pruned / verified so far.
+        prune: ``False`` runs the estimator without pruning (every draft verified), e.g. to log it at fixed L.
+        draft_log: an open text file receiving one JSON line per verified draft (see
+            :mod:`specadapt.estimator.evaluation`), or ``None``.
     """
 
     estimator: AcceptanceEstimator
@@ -41,6 +44,10 @@ class AdaptiveVerification:
     pruned: int = 0
     verified: int = 0
     history: list = field(default_factory=list)
+    prune: bool = True
+    draft_log: object = None  # an open text file: one JSON line per verified draft (--log-drafts)
+    rounds: int = 0
+    _plan_refits: int = 0
 
     def plan(self, draft_probs: torch.Tensor, num_drafts: torch.Tensor):
         """Decide how many drafts each request verifies.
@@ -59,7 +66,8 @@ class AdaptiveVerification:
         features = feature_from_probs(draft_probs)
         predictions = self.estimator.predict(features)
         surv = survival(predictions, num_drafts)
-        if self.stale_budget is None:
+        self._plan_refits = self.estimator.refits
+        if self.stale_budget is None or not self.prune:
             num_verify = num_drafts.clone()
         else:
             num_verify = torch.minimum(allocate_prefixes(surv, self.stale_budget), num_drafts)
@@ -71,8 +79,22 @@ class AdaptiveVerification:
     def observe(self, features, predictions, accept_len, num_verify) -> None:
         """Feed verified outcomes back to the estimator: ``features [B, L]``, ``predictions [B, L]`` from
         :meth:`plan`, ``accept_len [B]`` (tau) and ``num_verify [B]`` (drafts verified) int64."""
+        self.rounds += 1
         if features.shape[1] > 0:
+            if self.draft_log is not None:
+                self._log(features, predictions, accept_len, num_verify)
             self.estimator.observe(features, predictions, accept_len, num_verify)
+
+    def _log(self, features, predictions, accept_len, num_verify) -> None:
+        """One JSON line per verified draft up to and including the first rejection (the estimator's labels)."""
+        import json
+
+        for b in range(features.shape[0]):
+            tau, n = int(accept_len[b]), int(num_verify[b])
+            for k in range(min(tau + 1, n)):
+                record = {"round": self.rounds, "row": b, "position": k + 1, "feature": float(features[b, k]),
+                          "prediction": float(predictions[b, k]), "label": int(k < tau), "refits": self._plan_refits}
+                self.draft_log.write(json.dumps(record) + "\n")
 
 
 def profile_engine_costs(target_model, draft_model, max_tokens: int, max_requests: int, num_drafts: int,

@@ -71,6 +71,8 @@ class TTSUpdater:
         asynchronous: ``True`` runs updates on a background thread (side stream on CUDA); ``False`` runs each
             update inline at its boundary (same results, for debugging).
         example_bytes: ``example -> int`` bytes held by one buffered example (memory accounting).
+        trainer_threads: intra-op CPU threads of the background trainer (torch's thread count is per thread):
+            1 leaves the other cores to decoding instead of oversubscribing them.
 
     Raises:
         ValueError: no parameter selected by ``trainable``.
@@ -86,6 +88,7 @@ class TTSUpdater:
         on_publish: Callable[[], None] | None = None,
         asynchronous: bool = True,
         example_bytes: Callable[[Any], int] | None = None,
+        trainer_threads: int = 1,
     ) -> None:
         names = [n for n, p in serving.named_parameters() if trainable(n, p)]
         if not names:
@@ -95,6 +98,7 @@ class TTSUpdater:
         self.loss_fn = loss_fn
         self.on_publish = on_publish
         self.example_bytes = example_bytes or (lambda ex: 0)
+        self.trainer_threads = trainer_threads
         self.names = names
         serving_by_name = dict(serving.named_parameters())
         self.serving_params = [serving_by_name[n] for n in names]
@@ -204,6 +208,8 @@ class TTSUpdater:
     # ---- the trainer's side (background thread) ------------------------------------------------------------
     def _train(self, examples: list[Any]) -> None:
         start = time.perf_counter()
+        if self._executor is not None and not self._cuda:
+            torch.set_num_threads(self.trainer_threads)  # this (trainer) thread only
         ctx = torch.cuda.stream(self._stream) if self._cuda else _nullcontext()
         with ctx:
             if self._cuda:
