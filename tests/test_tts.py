@@ -82,7 +82,8 @@ def test_loss_bad_input():
 @pytest.mark.parametrize(
     "kwargs,match",
     [({"stride": 0}, "stride"), ({"lr": 0}, "lr"), ({"params": "all"}, "params"), ({"lora_rank": 0}, "rank"),
-     ({"supervise": "x"}, "supervise"), ({"position_decay": 1.5}, "decay"), ({"rollback_margin": 0}, "margin")],
+     ({"supervise": "x"}, "supervise"), ({"position_decay": 1.5}, "decay"), ({"rollback_margin": 0}, "margin"),
+     ({"scope": "global"}, "scope"), ({"scope": "request"}, "lora")],
 )
 def test_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -189,7 +190,7 @@ def _tts_draft(target, kind, params):
 
 
 @pytest.mark.parametrize("kind", ["self:1", "eagle"])
-@pytest.mark.parametrize("params", ["full", "lora"])
+@pytest.mark.parametrize("params", ["full", "lora", "request"])
 def test_tts_keeps_greedy_output_and_target_weights_bit_identical(tiny_target, kind, params):
     n = 24
     expected = [naive_greedy(tiny_target.model, p, n) for p in PROMPTS]
@@ -199,7 +200,9 @@ def test_tts_keeps_greedy_output_and_target_weights_bit_identical(tiny_target, k
     if kind == "self:1":
         shared_before = {k: v.clone() for k, v in draft.model.state_dict().items() if "layers" not in k}
     own_before = {n_: p.clone() for n_, p in draft.model.named_parameters()}
-    tts = EngineTTS(draft, TTSConfig(stride=1, lr=1e-2, params=params, supervise="canvas"), GREEDY)
+    scope = "request" if params == "request" else "shared"
+    config = TTSConfig(stride=1, lr=1e-2, params="full" if params == "full" else "lora", scope=scope, supervise="canvas")
+    tts = EngineTTS(draft, config, GREEDY, max_requests=3)
     engine = SpeculativeEngine(tiny_target, draft, GREEDY, 3, "block", tts=tts)
     results = engine.generate(PROMPTS, n, batch_size=3)
     tts.close()
@@ -219,24 +222,52 @@ def test_tts_keeps_greedy_output_and_target_weights_bit_identical(tiny_target, k
 
 @pytest.mark.parametrize("kind", ["self:1", "eagle"])
 @pytest.mark.parametrize("verify", ["block", "gbv"])
-def test_student_forward_reproduces_the_rows_the_round_was_drafted_from(tiny_target, kind, verify):
+@pytest.mark.parametrize("scope", ["shared", "request"])
+def test_student_forward_reproduces_the_rows_the_round_was_drafted_from(tiny_target, kind, verify, scope):
     """The differentiable re-run of the draft (before any publish) gives exactly the q rows of the round:
     the snapshot's context, drafts and teacher rows line up."""
     params = SamplingParams(0.9)
     draft = _tts_draft(tiny_target, kind, params)
-    tts = EngineTTS(draft, TTSConfig(stride=10_000, supervise="canvas"), params)
+    params_kind = "lora" if scope == "request" else "full"
+    tts = EngineTTS(draft, TTSConfig(stride=10_000, supervise="canvas", scope=scope, params=params_kind), params,
+                    max_requests=3)
+    if scope == "request":  # make the adapters non-trivial and different per slot
+        with torch.no_grad():
+            for name, p in draft.model.named_parameters():
+                if ".lora_b" in name:
+                    p.normal_(0, 0.05)
+                    tts.updater.shadow.get_parameter(name).copy_(p)
+        tts.start_batch = lambda batch: setattr(tts.slots, "rows", torch.arange(batch))
     checked = []
     original = tts.updater.end_round
 
     def checking(examples, acceptance):
         for ex in examples:
+            if scope == "request":
+                from specadapt.tts import find_lora_slots
+
+                find_lora_slots(draft.model).rows = torch.tensor([ex.slot])
             with torch.no_grad():
                 logits = draft.tts_student_logits(draft.model, ex.context, ex.drafts)
             q = torch.softmax(logits.float() / params.temperature, -1)
             torch.testing.assert_close(q, ex.proximal, atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(ex.teacher.sum(-1), torch.ones(ex.teacher.shape[0]))
             checked.append(ex)
+        if scope == "request":
+            find_lora_slots(draft.model).rows = saved_rows[0]
         original(examples, acceptance)
+
+    saved_rows = [None]
+    if scope == "request":
+        from specadapt.tts import find_lora_slots
+
+        original_end_round = tts.end_round
+
+        def end_round_saving_rows(*args):
+            saved_rows[0] = tts.slots.rows.clone()
+            original_end_round(*args)
+
+        tts.end_round = end_round_saving_rows
 
     tts.updater.end_round = checking
     num_paths = 2 if verify == "gbv" else 1

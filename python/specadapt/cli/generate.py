@@ -89,6 +89,8 @@ def add_parser(sub) -> None:
     tts.add_argument("--tts-params", default="full", choices=["full", "lora"],
                      help="train the draft's own layers, or low-rank adapters on them")
     tts.add_argument("--tts-lora-rank", type=int, default=8, help="adapter rank for --tts-params lora")
+    tts.add_argument("--tts-scope", default="shared", choices=["shared", "request"],
+                     help="one draft adapting on all traffic, or per-request LoRA adapters (with --tts-params lora)")
     tts.add_argument("--tts-supervise", default="accepted", choices=["accepted", "canvas"],
                      help="positions supervised: up to the first rejection plus one, or every verified position")
     tts.add_argument("--tts-rounds", default="all", choices=["all", "latest"],
@@ -237,7 +239,8 @@ def run(args) -> int:
     if args.tts:
         from ..engine.tts_bridge import EngineTTS
 
-        tts = EngineTTS(draft, _tts_config(args), sampling, asynchronous=not args.tts_sync)
+        tts = EngineTTS(draft, _tts_config(args), sampling, asynchronous=not args.tts_sync,
+                        max_requests=args.batch_size)
     try:
         spec_engine = SpeculativeEngine(
             target, draft, sampling, args.num_draft_tokens, args.verify, seed=args.seed,
@@ -282,6 +285,7 @@ def _tts_config(args):
     return TTSConfig(
         stride=args.tts_stride, lr=args.tts_lr, proximal_weight=args.tts_lambda,
         position_decay=args.tts_position_decay, params=args.tts_params, lora_rank=args.tts_lora_rank,
+        scope=args.tts_scope,
         supervise=args.tts_supervise, rounds=args.tts_rounds, rollback_margin=args.tts_rollback_margin,
         context_window=args.tts_context_window,
     )

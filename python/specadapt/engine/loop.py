@@ -185,6 +185,8 @@ class SpeculativeEngine:
             out = kv.forward(ids, counts, logits_to_keep=1, return_outputs=True, **self._hidden_kwargs)
             if self.draft.needs_target_hidden:
                 features = self.draft.target_features(out.hidden_states)
+        if self.tts is not None:
+            self.tts.start_batch(len(active))  # fresh per-request adapters before the draft's prefill
         self.draft.start(histories_active)
         if self.draft.needs_target_hidden:
             if features is None:
@@ -229,6 +231,8 @@ class SpeculativeEngine:
                 rows = torch.tensor(keep_rows, dtype=torch.int64)
                 kv.select(rows)
                 self.draft.select(rows)
+                if self.tts is not None:
+                    self.tts.select(rows)
             active = still_active
 
     def _empty_hidden(self, batch: int) -> tuple[torch.Tensor, ...]:

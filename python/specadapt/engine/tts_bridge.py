@@ -18,7 +18,17 @@ from typing import Any
 import torch
 
 from ..sampling import SamplingParams
-from ..tts import TTSConfig, TTSUpdater, add_lora, position_weights, supervised_counts, tts_loss
+from ..tts import (
+    TTSConfig,
+    TTSUpdater,
+    add_lora,
+    add_per_request_lora,
+    find_lora_slots,
+    position_weights,
+    supervised_counts,
+    tts_loss,
+)
+from ..tts.lora import PerRequestLoRALinear
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +45,7 @@ class TTSExample:
         teacher: ``[C, V'] float32`` target rows (over the draft vocabulary ``V'``).
         proximal: ``[C, V'] float32`` the draft's rows ``q_t`` that drafted the round.
         weights: ``[C] float32`` position weights.
+        slot: the request's adapter slot (``--tts-scope request``), else 0.
     """
 
     context: Any
@@ -42,6 +53,7 @@ class TTSExample:
     teacher: torch.Tensor
     proximal: torch.Tensor
     weights: torch.Tensor
+    slot: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -59,12 +71,15 @@ class EngineTTS:
         config: :class:`~specadapt.tts.TTSConfig`.
         sampling: the run's sampling settings (the student's temperature).
         asynchronous: background-thread updates (default) or inline.
+        max_requests: concurrent requests (adapter slots of ``scope="request"``).
 
     Raises:
         ValueError: a draft without trainable layers (``ngram``, target-only).
     """
 
-    def __init__(self, draft, config: TTSConfig, sampling: SamplingParams, asynchronous: bool = True) -> None:
+    def __init__(
+        self, draft, config: TTSConfig, sampling: SamplingParams, asynchronous: bool = True, max_requests: int = 1
+    ) -> None:
         module = getattr(draft, "model", None)
         if module is None or not hasattr(draft, "tts_student_logits"):
             raise ValueError(f"--tts needs a model draft (eagle, self:N or a model path), not {draft.name!r}")
@@ -72,7 +87,14 @@ class EngineTTS:
         self.config = config
         self.sampling = sampling
         prefixes = list(draft.tts_trainable_prefixes)
-        if config.params == "lora":
+        self.slots = None
+        if config.scope == "request":
+            self.slots = add_per_request_lora(module, config.lora_rank, max_requests, prefixes)
+            logger.info("TTS: per-request LoRA rank %d, %d slots", config.lora_rank, max_requests)
+
+            def trainable(name, _):
+                return ".lora_a" in name or ".lora_b" in name
+        elif config.params == "lora":
             adapted = add_lora(module, config.lora_rank, prefixes)
             logger.info("TTS: LoRA rank %d on %d layers", config.lora_rank, len(adapted))
 
@@ -134,7 +156,8 @@ class EngineTTS:
             if not bool((w > 0).any()):
                 continue
             context = self.draft.tts_context(r, histories[r], self.config.context_window)
-            examples.append(TTSExample(context, drafts[r, :c].clone(), teacher, proximal, w.clone()))
+            slot = int(self.slots.rows[r]) if self.slots is not None else 0
+            examples.append(TTSExample(context, drafts[r, :c].clone(), teacher, proximal, w.clone(), slot))
         drafted = num_drafted > 0
         mean_accept = float((accept_len[drafted] + 1).double().mean()) if bool(drafted.any()) else None
         self.updater.end_round(examples, mean_accept)
@@ -148,8 +171,11 @@ class EngineTTS:
         teacher = torch.zeros(n, width, vocab)
         proximal = torch.zeros(n, width, vocab)
         weights = torch.zeros(n, width)
+        shadow_slots = find_lora_slots(module) if self.slots is not None else None
         for i, ex in enumerate(examples):
             c = ex.drafts.shape[0]
+            if shadow_slots is not None:
+                shadow_slots.rows = torch.tensor([ex.slot])
             logits = self.draft.tts_student_logits(module, ex.context, ex.drafts).float()
             if c < width:
                 logits = torch.cat([logits, logits.new_zeros(width - c, logits.shape[1])])
@@ -161,6 +187,27 @@ class EngineTTS:
             torch.stack(student), teacher.to(device), weights.to(device), self.sampling.temperature,
             proximal.to(device), self.config.proximal_weight,
         )
+
+    def start_batch(self, batch: int) -> None:
+        """A new batch of requests: with ``scope="request"`` every request gets a fresh adapter slot."""
+        if self.slots is None:
+            return
+        if batch > self.updater.serving_params[0].shape[0]:
+            raise ValueError(f"--tts-scope request has {self.updater.serving_params[0].shape[0]} adapter slots, "
+                             f"the batch has {batch} requests")
+
+        def fresh(module):
+            for m in module.modules():
+                if isinstance(m, PerRequestLoRALinear):
+                    m.reset_slots()
+
+        self.updater.reinitialize(fresh)
+        self.slots.rows = torch.arange(batch)
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Requests finished: keep the slots of the remaining rows."""
+        if self.slots is not None:
+            self.slots.rows = self.slots.rows.index_select(0, rows.cpu())
 
     def close(self) -> None:
         self.updater.close()

@@ -8,16 +8,20 @@ engine and the SGLang plugin supply the draft's differentiable forward as ``loss
 """
 
 from .config import TTSConfig
-from .lora import LoRALinear, add_lora
+from .lora import LoRALinear, LoRASlots, PerRequestLoRALinear, add_lora, add_per_request_lora, find_lora_slots
 from .loss import position_weights, supervised_counts, tts_loss
 from .updater import TTSStats, TTSUpdater
 
 __all__ = [
     "LoRALinear",
+    "LoRASlots",
+    "PerRequestLoRALinear",
     "TTSConfig",
     "TTSStats",
     "TTSUpdater",
     "add_lora",
+    "add_per_request_lora",
+    "find_lora_slots",
     "position_weights",
     "supervised_counts",
     "tts_loss",

@@ -20,6 +20,8 @@ class TTSConfig:
         position_decay: ``gamma`` of the position weights ``gamma^(k-1)`` (0.8, the spec's value).
         params: ``full`` (the draft's own layers) or ``lora`` (rank-``lora_rank`` adapters on them).
         lora_rank: adapter rank for ``params="lora"`` (8, the spec's value).
+        scope: ``shared`` (one draft adapts on all traffic) or ``request`` (per-request LoRA adapters, fresh for
+            every batch of requests; needs ``params="lora"``; memory: concurrent requests x adapter size).
         supervise: ``accepted`` (positions up to the first rejection plus one, the spec's default) or
             ``canvas`` (every verified position).
         rounds: ``all`` (one update trains on every round since the last one) or ``latest`` (the last round).
@@ -37,6 +39,7 @@ class TTSConfig:
     position_decay: float = 0.8
     params: str = "full"
     lora_rank: int = 8
+    scope: str = "shared"
     supervise: str = "accepted"
     rounds: str = "all"
     grad_clip: float = 1.0
@@ -52,6 +55,9 @@ class TTSConfig:
             (0 < self.position_decay <= 1, f"tts position decay must lie in (0, 1], got {self.position_decay}"),
             (self.params in ("full", "lora"), f"tts params must be full or lora, got {self.params!r}"),
             (self.lora_rank >= 1, f"tts lora rank must be >= 1, got {self.lora_rank}"),
+            (self.scope in ("shared", "request"), f"tts scope must be shared or request, got {self.scope!r}"),
+            (self.scope == "shared" or self.params == "lora",
+             "tts scope request must come with --tts-params lora (per-request low-rank adapters)"),
             (self.supervise in ("accepted", "canvas"), f"tts supervise must be accepted or canvas, got {self.supervise!r}"),
             (self.rounds in ("all", "latest"), f"tts rounds must be all or latest, got {self.rounds!r}"),
             (self.grad_clip > 0, f"tts grad clip must be > 0, got {self.grad_clip}"),

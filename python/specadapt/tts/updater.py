@@ -159,6 +159,20 @@ class TTSUpdater:
             self._executor.shutdown(wait=True)
             self._executor = None
 
+    def reinitialize(self, fn: Callable[[nn.Module], None]) -> None:
+        """Drain (wait for and publish an update in flight), drop buffered supervision, apply ``fn`` to the
+        serving module and to the shadow (e.g. fresh per-request adapters), restart the optimizer and take the
+        result as the last good weights."""
+        if self._future is not None:
+            self._wait_and_publish()
+        self._buffer = []
+        with torch.no_grad():
+            fn(self.serving)
+            fn(self.shadow)
+        self.optimizer.state.clear()
+        for good, p in zip(self.last_good, self.serving_params):
+            good.copy_(p.detach())
+
     def _boundary(self) -> None:
         if self._future is not None:
             self._wait_and_publish()
