@@ -62,3 +62,19 @@ def test_cuda_chi_square_1e6(rule):
     assert pvalue > 1e-4, f"chi-square p-value {pvalue:.2e}"
     ref = VERIFY_RULES[rule](cand[:20000], p[:20000], q[:20000], u[:20000], uf[:20000])
     assert torch.equal(out.output_tokens[:20000].cpu(), ref.output_tokens)
+
+
+@pytest.mark.parametrize("B,K", [(1, 1), (37, 5), (1000, 7)])
+def test_cuda_irls_accumulate_equals_reference(B, K):
+    from specadapt.estimator.irls import irls_accumulate_reference
+
+    gen = torch.Generator().manual_seed(B + K)
+    features = torch.randn(B, K, generator=gen, dtype=torch.float64) * 3
+    features[0, 0] = float("nan")  # skipped by both
+    predictions = torch.rand(B, K, generator=gen, dtype=torch.float64)
+    verified = torch.randint(0, K + 1, (B,), generator=gen)
+    accepted = torch.minimum(torch.randint(0, K + 1, (B,), generator=gen), verified)
+    expected = irls_accumulate_reference(features, predictions, accepted, verified)
+    got = kernels.irls_accumulate(features.cuda(), predictions.cuda(), accepted.cuda(), verified.cuda())
+    assert got.device.type == "cuda"
+    torch.testing.assert_close(got.cpu(), expected, rtol=1e-12, atol=1e-9)

@@ -3,6 +3,7 @@
 #include <cuda_bf16.h>
 
 #include "block_residual.cuh"
+#include "irls.cuh"
 #include "verify.cuh"
 
 template __global__ void specadapt::cuda::block_residual_mass_kernel<256, float>(const float*, const float*,
@@ -19,3 +20,5 @@ template __global__ void specadapt::cuda::block_verify_kernel<float, 64>(const f
 template __global__ void specadapt::cuda::block_verify_kernel<__nv_bfloat16, 64>(const __nv_bfloat16*,
                                                                                   const __nv_bfloat16*,
                                                                                   specadapt::cuda::VerifyArgs);
+template __global__ void specadapt::cuda::irls_accumulate_kernel<128>(const double*, const double*, const long long*,
+                                                                     const long long*, double*, long long, long long);

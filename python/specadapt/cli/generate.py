@@ -193,6 +193,7 @@ def run(args) -> int:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+        _silence_gguf_progress()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device {args.device}: CUDA is not available on this machine")
     try:
@@ -277,6 +278,18 @@ def run(args) -> int:
         write_json(report, args.json)
         print(f"wrote {args.json}")
     return 0
+
+
+def _silence_gguf_progress() -> None:
+    """transformers' GGUF loader uses plain tqdm (not its logging switch): disable that bar too."""
+    import functools
+
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        return
+    if hasattr(gguf_utils, "tqdm"):
+        gguf_utils.tqdm = functools.partial(gguf_utils.tqdm, disable=True)
 
 
 def _tts_config(args):
