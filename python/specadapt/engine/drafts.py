@@ -288,9 +288,8 @@ class ModelDraft(Draft):
         """Differentiable teacher-forced forward: ``[C, V]`` logits that gave ``q_1..q_C``."""
         device = next(module.parameters()).device
         ids = torch.cat([context, drafts[:-1]])[None].to(device)
-        logits = module(input_ids=ids, use_cache=False).logits[0]
-        start = context.shape[0] - 1
-        return logits[start : start + drafts.shape[0]]
+        # the last C positions of ids are the last context token and d_1..d_{C-1}: they give q_1..q_C
+        return module(input_ids=ids, use_cache=False, logits_to_keep=drafts.shape[0]).logits[0]
 
 
 def _pad(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

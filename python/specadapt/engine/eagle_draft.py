@@ -222,7 +222,7 @@ class EagleDraft(Draft):
         features, tokens = context
         device = module.fuse.weight.device
         cache = DynamicCache(config=module.config)
-        out = module(tokens[None].to(device), features[None].to(device), cache=cache, use_cache=True)
+        out = module(tokens[None].to(device), features[None].to(device), cache=cache, use_cache=True, logits_to_keep=1)
         g, logits = out.hidden[:, -1:], [out.logits[0, -1]]
         position = tokens.shape[0]
         for k in range(1, drafts.shape[0]):
