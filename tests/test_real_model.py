@@ -46,14 +46,21 @@ def test_target_only_engine_equals_transformers_generate(smollm2, greedy_referen
     assert gen[0, len(prompts[0]) :].tolist() == outputs[0]
 
 
-@pytest.mark.parametrize("draft_kind,rule", [("ngram", "chain"), ("self:2", "block"), ("self:4", "chain")])
+@pytest.mark.parametrize(
+    "draft_kind,rule", [("ngram", "chain"), ("self:2", "block"), ("self:4", "chain"), ("eagle", "chain"), ("eagle", "gbv")]
+)
 def test_greedy_speculative_equals_target_only(smollm2, greedy_reference, draft_kind, rule):
     prompts, outputs = greedy_reference
     if draft_kind == "ngram":
         draft = NgramDraft()
+    elif draft_kind == "eagle":
+        from specadapt.engine import build_draft
+
+        draft = build_draft("eagle", smollm2, GREEDY, seed=0)  # the head shipped in the package
     else:
         draft = ModelDraft(self_draft(smollm2, int(draft_kind[5:])), GREEDY, torch.Generator(), draft_kind)
-    results = SpeculativeEngine(smollm2, draft, GREEDY, 5, rule).generate(prompts, 64, batch_size=2)
+    num_paths = 2 if rule == "gbv" else 1
+    results = SpeculativeEngine(smollm2, draft, GREEDY, 5, rule, num_paths=num_paths).generate(prompts, 64, batch_size=2)
     assert [r.output_ids for r in results] == outputs
     assert sum(len(r.rounds) for r in results) < 128 or draft_kind != "ngram"
 
@@ -80,3 +87,21 @@ def test_kv_rollback_equals_fresh_forward(smollm2):
             fresh = model(input_ids=torch.tensor([seq])).logits[0, -3:]
         torch.testing.assert_close(logits[r], fresh, atol=2e-3, rtol=1e-3)
         assert int(logits[r, -1].argmax()) == int(fresh[-1].argmax())
+
+
+def test_tts_on_the_shipped_eagle_head_keeps_greedy_output(smollm2, greedy_reference):
+    """TTS with every-round updates on the real model: output still equals target-only greedy output, and the
+    target's weights are untouched."""
+    from specadapt.engine import build_draft
+    from specadapt.engine.tts_bridge import EngineTTS
+    from specadapt.tts import TTSConfig
+
+    prompts, outputs = greedy_reference
+    head_weight = smollm2.model.get_output_embeddings().weight.clone()
+    draft = build_draft("eagle", smollm2, GREEDY, seed=0)
+    tts = EngineTTS(draft, TTSConfig(stride=1), GREEDY)
+    results = SpeculativeEngine(smollm2, draft, GREEDY, 5, "block", tts=tts).generate(prompts, 64, batch_size=2)
+    tts.close()
+    assert [r.output_ids for r in results] == outputs
+    assert tts.stats.updates > 0
+    assert torch.equal(smollm2.model.get_output_embeddings().weight, head_weight)
