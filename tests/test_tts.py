@@ -276,6 +276,21 @@ def test_student_forward_reproduces_the_rows_the_round_was_drafted_from(tiny_tar
     )
     tts.close()
     assert len(checked) > 10
+    batched = getattr(draft, "tts_student_logits_batch", None)
+    if batched is not None:  # the padded one-pass version equals the per-example forwards
+        batch = checked[:12]
+        drafts = [ex.drafts[: 1 + i % ex.drafts.shape[0]] for i, ex in enumerate(batch)]  # ragged C
+        assert len({ex.context[1].shape[0] for ex in batch}) > 1 and len({d.shape[0] for d in drafts}) > 1
+        if scope == "request":
+            find_lora_slots(draft.model).rows = torch.tensor([ex.slot for ex in batch])
+        with torch.no_grad():
+            together = batched(draft.model, [ex.context for ex in batch], drafts)
+        for i, ex in enumerate(batch):
+            if scope == "request":
+                find_lora_slots(draft.model).rows = torch.tensor([ex.slot])
+            with torch.no_grad():
+                alone = draft.tts_student_logits(draft.model, ex.context, drafts[i])
+            torch.testing.assert_close(together[i, : drafts[i].shape[0]], alone, atol=1e-4, rtol=1e-4)
 
 
 def test_tts_moves_the_draft_towards_the_target():

@@ -234,3 +234,46 @@ class EagleDraft(Draft):
             logits.append(step.logits[0, -1])
             position += 1
         return torch.stack(logits)
+
+    @staticmethod
+    def tts_student_logits_batch(module: EagleHead, contexts: list, drafts: list[torch.Tensor]) -> torch.Tensor:
+        """:meth:`tts_student_logits` for many examples in one padded pass: ``[N, C_max, Vd]`` (row ``i``'s
+        positions past its own ``C_i`` are meaningless). Windows are left-padded so every row's last real pair
+        sits in the last column; padded keys are masked."""
+        from transformers import DynamicCache
+
+        n = len(contexts)
+        device = module.fuse.weight.device
+        dtype = module.fuse.weight.dtype
+        lengths = torch.tensor([c[1].shape[0] for c in contexts])
+        width = int(lengths.max())
+        c_max = max(int(d.shape[0]) for d in drafts)
+        feats = torch.zeros(n, width, contexts[0][0].shape[1])
+        tokens = torch.zeros(n, width, dtype=torch.int64)
+        for i, (f, t) in enumerate(contexts):
+            feats[i, width - t.shape[0] :] = f
+            tokens[i, width - t.shape[0] :] = t
+        col = torch.arange(width)
+        valid = col[None, :] >= (width - lengths)[:, None]  # [N, W]
+        positions = (col[None, :] - (width - lengths)[:, None]).clamp_min(0)
+        neg = torch.finfo(dtype).min
+        allowed = valid[:, None, :] & (col[None, None, :] <= col[None, :, None])  # causal over real keys
+        allowed = allowed | torch.eye(width, dtype=torch.bool)[None]  # padded queries see themselves (no NaN)
+        mask = torch.where(allowed, 0.0, neg).to(dtype)[:, None]
+        cache = DynamicCache(config=module.config)
+        out = module(tokens.to(device), feats.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
+                     cache=cache, use_cache=True, logits_to_keep=1)
+        g, logits = out.hidden[:, -1:], [out.logits[:, -1]]
+        step_tokens = torch.zeros(n, c_max, dtype=torch.int64)
+        for i, d in enumerate(drafts):
+            step_tokens[i, : d.shape[0]] = d
+        keys_valid = valid
+        for k in range(1, c_max):
+            keys_valid = torch.cat([keys_valid, torch.ones(n, 1, dtype=torch.bool)], dim=1)
+            step_mask = torch.where(keys_valid, 0.0, neg).to(dtype)[:, None, None, :]
+            pos = (lengths + k - 1)[:, None]
+            step = module(step_tokens[:, k - 1 : k].to(device), g, attention_mask=step_mask.to(device),
+                          position_ids=pos.to(device), cache=cache, use_cache=True)
+            g = step.hidden[:, -1:]
+            logits.append(step.logits[:, -1])
+        return torch.stack(logits, dim=1)

@@ -172,19 +172,27 @@ class EngineTTS:
         proximal = torch.zeros(n, width, vocab)
         weights = torch.zeros(n, width)
         shadow_slots = find_lora_slots(module) if self.slots is not None else None
+        batched = getattr(self.draft, "tts_student_logits_batch", None)
+        if batched is not None:  # one padded pass over all examples
+            if shadow_slots is not None:
+                shadow_slots.rows = torch.tensor([ex.slot for ex in examples])
+            student = batched(module, [ex.context for ex in examples], [ex.drafts for ex in examples]).float()
         for i, ex in enumerate(examples):
             c = ex.drafts.shape[0]
-            if shadow_slots is not None:
-                shadow_slots.rows = torch.tensor([ex.slot])
-            logits = self.draft.tts_student_logits(module, ex.context, ex.drafts).float()
-            if c < width:
-                logits = torch.cat([logits, logits.new_zeros(width - c, logits.shape[1])])
-            student.append(logits)
+            if batched is None:
+                if shadow_slots is not None:
+                    shadow_slots.rows = torch.tensor([ex.slot])
+                logits = self.draft.tts_student_logits(module, ex.context, ex.drafts).float()
+                if c < width:
+                    logits = torch.cat([logits, logits.new_zeros(width - c, logits.shape[1])])
+                student.append(logits)
             teacher[i, :c] = ex.teacher
             proximal[i, :c] = ex.proximal
             weights[i, :c] = ex.weights
+        if batched is None:
+            student = torch.stack(student)
         return tts_loss(
-            torch.stack(student), teacher.to(device), weights.to(device), self.sampling.temperature,
+            student, teacher.to(device), weights.to(device), self.sampling.temperature,
             proximal.to(device), self.config.proximal_weight,
         )
 
