@@ -8,7 +8,8 @@ the target-only baseline (``--baseline``), whose tokens/s every row's speedup us
     python scripts/tts_study.py --draft eagle --strides 1 2 5 10 --temperature 1.0 \
         --limit 3 --max-new-tokens 4096 --out results/tts_T1.0
 
-writes one JSON per setting under --out, the table to --out/table.md, and the acceptance-vs-position plot to
+Every request decodes the full --max-new-tokens (``--ignore-eos``), so each position bucket holds the same
+requests in every setting. Writes one JSON per setting under --out, the table to --out/table.md, and the acceptance-vs-position plot to
 --out/acceptance.png (scripts/plot_acceptance.py).
 """
 
@@ -93,7 +94,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     common = ["--dataset", args.dataset, "--temperature", str(args.temperature), "--limit", str(args.limit),
               "--max-new-tokens", str(args.max_new_tokens), "--num-draft-tokens", str(args.num_draft_tokens),
-              "--batch-size", str(args.batch_size), "--bucket-edges", FINE_EDGES, *args.extra]
+              "--batch-size", str(args.batch_size), "--bucket-edges", FINE_EDGES, "--ignore-eos", *args.extra]
     settings = [] if args.no_ngram else [("ngram", ["--draft", "ngram", "--baseline"])]
     settings.append((args.draft.replace(":", ""), ["--draft", args.draft]))
     for stride in args.strides:

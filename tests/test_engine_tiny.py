@@ -72,6 +72,9 @@ def test_eos_ends_a_request_while_others_continue():
     results = SpeculativeEngine(target, NgramDraft(), GREEDY, 4, "block").generate(PROMPTS, 20, batch_size=4)
     assert [r.output_ids for r in results] == expected
     assert results[0].finished_by_eos and len(results[0].output_ids) == 7
+    ignoring = SpeculativeEngine(target, NgramDraft(), GREEDY, 4, "block", ignore_eos=True).generate(PROMPTS, 20, batch_size=4)
+    assert [r.output_ids for r in ignoring] == free
+    assert not any(r.finished_by_eos for r in ignoring)
 
 
 def test_max_new_tokens_per_request(tiny_target):

@@ -76,6 +76,7 @@ class SpeculativeEngine:
             a budget (chain / block only), or ``None``.
         tts: an :class:`~specadapt.engine.tts_bridge.EngineTTS` (Test-Time Speculation of the draft), or
             ``None``. It sees every verified round; weights change only at its publish boundaries.
+        ignore_eos: keep decoding past EOS tokens until ``max_new_tokens`` (long-generation measurements).
         seed: seeds the coins of verification (the draft carries its own generator).
         verify_impl: ``auto`` (fused C++/CUDA kernel when available, else the float64 reference with a logged
             warning), ``compiled`` or ``reference``; all give the same tokens for the same coins.
@@ -96,6 +97,7 @@ class SpeculativeEngine:
         num_paths: int = 1,
         adaptive=None,
         tts=None,
+        ignore_eos: bool = False,
     ) -> None:
         if num_draft_tokens < 0:
             raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
@@ -126,7 +128,7 @@ class SpeculativeEngine:
             raise ValueError(f"verify_impl must be one of {kernels.IMPLEMENTATIONS}, got {verify_impl!r}")
         self.verify_impl = verify_impl
         self.generator = torch.Generator().manual_seed(seed)
-        self.eos_ids = target.eos_token_ids()
+        self.eos_ids = set() if ignore_eos else target.eos_token_ids()
         self._hidden_kwargs = {"output_hidden_states": True} if draft.needs_target_hidden else {}
         self.vocab_size = target.vocab_size
 
