@@ -105,6 +105,8 @@ class EngineTTS:
             def trainable(name, _):
                 return any(name == p or name.startswith(p + ".") for p in prefixes) and ".lora_" not in name
 
+        if hasattr(draft, "window"):  # the EAGLE proposer keeps this many recent (feature, token) pairs
+            draft.window = max(draft.window, config.context_window)
         self.vocab = draft.tts_vocab()
         self.updater = TTSUpdater(
             module, trainable, self._loss, config, share=draft.tts_shared(), asynchronous=asynchronous,
