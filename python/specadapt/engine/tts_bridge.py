@@ -5,8 +5,11 @@ Per request and round the snapshot holds: the draft's context (the last ``contex
 or for the EAGLE head its last real (feature, token) pairs), the drafted tokens, the target's ``p`` rows at the
 verified positions (the teacher, restricted and renormalised to the draft vocabulary for a reduced-vocabulary
 head), the ``q`` rows the round was drafted from (the proximal term) and the position weights. The update
-re-runs the draft differentiably on the shadow copy over that context (keys and values of older positions are
-not in the graph: truncated back-propagation over ``context_window`` tokens).
+re-runs the draft differentiably from scratch on the shadow copy over that context only: positions older than
+``context_window`` are not attended at all (serving attends to the whole history), so the student is a
+short-context version of the serving draft and its q rows differ from the serving ones even at equal weights
+(tests check they are equal when the whole history fits the window). Snapshotting the serving cache's keys and
+values as a constant prefix would remove that gap at the cost of memory per example.
 """
 
 from __future__ import annotations
@@ -144,8 +147,8 @@ class EngineTTS:
             c = int(counts[r])
             if c == 0:
                 continue
-            teacher = target_probs[r, :c].float().cpu()
-            proximal = draft_probs[r, :c].float().cpu()
+            teacher = target_probs[r, :c].float().cpu().clone()  # own storage: a view would pin [B, w, V]
+            proximal = draft_probs[r, :c].float().cpu().clone()
             if self.vocab is not None:
                 teacher = teacher.index_select(1, self.vocab)
                 proximal = proximal.index_select(1, self.vocab)

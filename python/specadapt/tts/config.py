@@ -17,8 +17,9 @@ class TTSConfig:
             S = 5): acceptance length 1.44 without TTS, 1.49 at 1e-4, 1.58 at 3e-5, and 1.25 at 1e-3 (at 512
             tokens). The spec's probe preferred 1e-3 for a briefly trained head; a well-trained one is hurt by
             Adam's ~lr-sized per-weight steps.
-        proximal_weight: ``lambda`` of the proximal term. 0.1: it only acts on stale weights (asynchronous
-            steps), where it damps the step towards the weights that drafted the round.
+        proximal_weight: ``lambda`` of the proximal term. 0.1: a mild pull towards the rows that drafted the
+            round (with a full-context student on fresh weights its gradient would vanish; with stale weights or
+            the truncated context of ``context_window`` it does not).
         position_decay: ``gamma`` of the position weights ``gamma^(k-1)`` (0.8, the spec's value).
         params: ``full`` (the draft's own layers) or ``lora`` (rank-``lora_rank`` adapters on them).
         lora_rank: adapter rank for ``params="lora"`` (8, the spec's value).
@@ -28,10 +29,10 @@ class TTSConfig:
             ``canvas`` (every verified position).
         rounds: ``all`` (one update trains on every round since the last one) or ``latest`` (the last round).
         grad_clip: gradient-norm clip (1.0).
-        rollback_margin: roll back when the rolling acceptance length falls below
-            ``(1 - margin) * baseline`` (baseline: before the first publish). 0.5: acceptance decays on long
-            outputs without any fault of the updates; only a collapse should trigger a rollback.
-        rollback_window: rounds in the rolling acceptance length (and in the baseline).
+        rollback_margin: roll back (to the pre-adaptation weights) when the rolling acceptance length falls
+            below ``(1 - margin) * baseline`` (baseline: the rounds before the first publish). 0.5: acceptance
+            decays on long outputs without any fault of the updates; only a collapse should trigger a rollback.
+        rollback_window: rounds in the rolling acceptance length.
         context_window: committed tokens of context the differentiable draft forward sees per example.
     """
 

@@ -7,11 +7,14 @@ Protocol, per boundary (every ``S`` rounds, counted by the caller's round number
 2. publish: ``torch._foreach_copy_`` of the shadow's trainable tensors into the serving tensors (on the main
    stream after waiting on the trainer's CUDA event), so parameter addresses never change and captured CUDA
    graphs replay with the new weights; then refresh derived buffers (``on_publish``);
-3. rollback check: if the rolling acceptance length is below ``(1 - margin) * baseline`` (baseline: rounds
-   before the first publish), restore the last good weights into serving and shadow and reset the optimizer;
+3. rollback check: if the mean acceptance length of the last ``rollback_window`` rounds is below
+   ``(1 - margin) * baseline`` (baseline: the rounds before the first publish, i.e. the draft before any
+   adaptation), restore the pre-adaptation weights - the only weights whose acceptance was measured good - into
+   serving and shadow and restart the optimizer;
 4. submit the next update on the rounds gathered since the previous boundary. It runs on a background thread
-   (PyTorch ops release the GIL), on a side CUDA stream when the shadow lives on a GPU, while the next ``S``
-   rounds decode with the published weights.
+   (PyTorch ops release the GIL), on a side CUDA stream when the shadow lives on a GPU (the side stream first
+   waits on an event recorded on the main stream after the publish, so it never overwrites the shadow while the
+   publish copy still reads it), while the next ``S`` rounds decode with the published weights.
 
 The shadow is a deep copy of the serving module that shares every frozen tensor (read-only on both sides) and
 owns copies of the trainable ones, so training never writes a tensor serving reads.
@@ -115,7 +118,7 @@ class TTSUpdater:
             p.requires_grad_(True)
         self.shadow.train(False)  # no dropout: the draft samples from the module as-is
         self.optimizer = torch.optim.Adam(self.shadow_params, lr=config.lr)
-        self.last_good = [p.detach().to(torch.bfloat16).clone() for p in self.serving_params]
+        self.initial = [p.detach().clone() for p in self.serving_params]  # rollback target, parameter dtype
         self.stats = TTSStats()
         self.device = self.serving_params[0].device
         self._cuda = self.device.type == "cuda"
@@ -129,6 +132,7 @@ class TTSUpdater:
         self._baseline: list[float] = []
         self._rolling: collections.deque[float] = collections.deque(maxlen=config.rollback_window)
         self._peak_snapshot_bytes = 0
+        self._in_flight_bytes = 0
 
     # ---- the decoding loop's side -------------------------------------------------------------------------
     def end_round(self, examples: list[Any], acceptance_length: float | None) -> None:
@@ -146,7 +150,7 @@ class TTSUpdater:
             self._buffer = list(examples) if examples else self._buffer
         else:
             self._buffer.extend(examples)
-        size = sum(self.example_bytes(ex) for ex in self._buffer)
+        size = sum(self.example_bytes(ex) for ex in self._buffer) + self._in_flight_bytes
         self._peak_snapshot_bytes = max(self._peak_snapshot_bytes, size)
         if self._round % self.config.stride == 0:
             self._boundary()
@@ -162,7 +166,7 @@ class TTSUpdater:
     def reinitialize(self, fn: Callable[[nn.Module], None]) -> None:
         """Drain (wait for and publish an update in flight), drop buffered supervision, apply ``fn`` to the
         serving module and to the shadow (e.g. fresh per-request adapters), restart the optimizer and take the
-        result as the last good weights."""
+        result as the new pre-adaptation (rollback) weights."""
         if self._future is not None:
             self._wait_and_publish()
         self._buffer = []
@@ -170,20 +174,26 @@ class TTSUpdater:
             fn(self.serving)
             fn(self.shadow)
         self.optimizer.state.clear()
-        for good, p in zip(self.last_good, self.serving_params):
+        for good, p in zip(self.initial, self.serving_params):
             good.copy_(p.detach())
 
     def _boundary(self) -> None:
         if self._future is not None:
             self._wait_and_publish()
             self._maybe_roll_back()
+        self._in_flight_bytes = 0
         if self._buffer:
             examples, self._buffer = self._buffer, []
+            self._in_flight_bytes = sum(self.example_bytes(ex) for ex in examples)
+            after_publish = None
+            if self._cuda:  # the trainer must not touch the shadow before the publish copy has read it
+                after_publish = torch.cuda.Event()
+                after_publish.record(torch.cuda.current_stream(self.device))
             if self._executor is None:
-                self._train(examples)
+                self._train(examples, after_publish)
                 self._future = _done_future()
             else:
-                self._future = self._executor.submit(self._train, examples)
+                self._future = self._executor.submit(self._train, examples, after_publish)
 
     def _wait_and_publish(self) -> None:
         start = time.perf_counter()
@@ -208,26 +218,23 @@ class TTSUpdater:
             logger.warning("TTS rollback: rolling acceptance length %.2f < (1 - %.2f) x baseline %.2f",
                            rolling, self.config.rollback_margin, baseline)
             with torch.no_grad():
-                torch._foreach_copy_(self.serving_params, self.last_good)
-                torch._foreach_copy_([p.data for p in self.shadow_params], self.last_good)
+                torch._foreach_copy_(self.serving_params, self.initial)
+                torch._foreach_copy_([p.data for p in self.shadow_params], self.initial)
             self.optimizer.state.clear()
             if self.on_publish is not None:
                 self.on_publish()
             self.stats.rollbacks += 1
             self._rolling.clear()
-        else:
-            for good, p in zip(self.last_good, self.serving_params):
-                good.copy_(p.detach())
 
     # ---- the trainer's side (background thread) ------------------------------------------------------------
-    def _train(self, examples: list[Any]) -> None:
+    def _train(self, examples: list[Any], after_publish=None) -> None:
         start = time.perf_counter()
         if self._executor is not None and not self._cuda:
             torch.set_num_threads(self.trainer_threads)  # this (trainer) thread only
         ctx = torch.cuda.stream(self._stream) if self._cuda else _nullcontext()
         with ctx:
-            if self._cuda:
-                self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            if after_publish is not None:
+                self._stream.wait_event(after_publish)
             with torch.enable_grad():
                 loss = self.loss_fn(self.shadow, examples)
                 if not bool(torch.isfinite(loss)):
@@ -253,8 +260,9 @@ class TTSUpdater:
     # ---- accounting ----------------------------------------------------------------------------------------
     def memory_bytes(self) -> dict[str, int]:
         """Bytes TTS adds: ``trainable`` (the draft's trainable tensors, for reference), ``shadow``,
-        ``optimizer`` (Adam moments), ``last_good`` (bf16 rollback copy), ``snapshots`` (peak buffered
-        supervision) and ``total`` (all added, i.e. everything but ``trainable``)."""
+        ``optimizer`` (Adam moments), ``rollback_copy`` (the pre-adaptation weights), ``snapshots`` (peak
+        supervision held: buffered plus in flight), ``total`` (all added, i.e. everything but ``trainable``) and
+        ``total_without_rollback`` (shadow + optimizer + snapshots)."""
         trainable = sum(p.numel() * p.element_size() for p in self.serving_params)
         shadow = sum(p.numel() * p.element_size() for p in self.shadow_params)
         optimizer = sum(
@@ -263,10 +271,11 @@ class TTSUpdater:
             for key, t in state.items()
             if torch.is_tensor(t) and key != "step"
         )
-        last_good = sum(t.numel() * t.element_size() for t in self.last_good)
-        out = {"trainable": trainable, "shadow": shadow, "optimizer": optimizer, "last_good": last_good,
+        rollback = sum(t.numel() * t.element_size() for t in self.initial)
+        out = {"trainable": trainable, "shadow": shadow, "optimizer": optimizer, "rollback_copy": rollback,
                "snapshots": self._peak_snapshot_bytes}
-        out["total"] = shadow + optimizer + last_good + self._peak_snapshot_bytes
+        out["total_without_rollback"] = shadow + optimizer + self._peak_snapshot_bytes
+        out["total"] = out["total_without_rollback"] + rollback
         return out
 
 
