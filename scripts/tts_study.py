@@ -52,7 +52,7 @@ def label(report: dict) -> str:
 def table(reports: list[dict], baseline_tps: float | None) -> str:
     head = ("| setting | acc. len | " + " | ".join(f"[{a}, {b})" for a, b in TABLE_BUCKETS)
             + " | tok/s | speedup vs target-only | repeat rate | updates / skipped / rollbacks | publish wait s | TTS MB (x trainable) |")
-    lines = [head, "|" + "---|" * (9 + len(TABLE_BUCKETS))]
+    lines = [head, "|" + "---|" * (8 + len(TABLE_BUCKETS))]
     for r in reports:
         s, c = r["summary"], r["config"]
         t = c.get("tts_stats")
