@@ -14,7 +14,25 @@ from torch import nn
 __all__ = ["LoRALinear", "LoRASlots", "PerRequestLoRALinear", "add_lora", "add_per_request_lora", "find_lora_slots"]
 
 
-class LoRALinear(nn.Module):
+class _AdaptedLinear(nn.Module):
+    """What an adapted layer forwards from its frozen base ``nn.Linear`` (callers probe ``.weight`` etc.)."""
+
+    base: nn.Linear
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base.weight
+
+    @property
+    def in_features(self) -> int:
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
+
+
+class LoRALinear(_AdaptedLinear):
     """A frozen ``nn.Linear`` plus a trainable rank-``rank`` update.
 
     Args:
@@ -38,18 +56,6 @@ class LoRALinear(nn.Module):
         self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, dtype=weight.dtype, device=weight.device))
         self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, dtype=weight.dtype, device=weight.device))
         nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
-
-    @property
-    def weight(self) -> torch.Tensor:  # some callers read .weight (dtype / device probes)
-        return self.base.weight
-
-    @property
-    def in_features(self) -> int:
-        return self.base.in_features
-
-    @property
-    def out_features(self) -> int:
-        return self.base.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.base(x) + self.scale * nn.functional.linear(nn.functional.linear(x, self.lora_a), self.lora_b)
@@ -109,7 +115,7 @@ class LoRASlots:
         raise ValueError(f"LoRA slots: a batch of {batch} rows does not fit {rows.shape[0]} request slots")
 
 
-class PerRequestLoRALinear(nn.Module):
+class PerRequestLoRALinear(_AdaptedLinear):
     """A frozen ``nn.Linear`` plus one rank-``rank`` adapter per request slot (``--tts-scope request``).
 
     ``y[b] = W x[b] + (alpha / r) * B[s_b] (A[s_b] x[b])`` with ``s_b = slots.rows[b]``.
@@ -133,18 +139,6 @@ class PerRequestLoRALinear(nn.Module):
         self.lora_a = nn.Parameter(torch.empty(num_slots, rank, base.in_features, dtype=w.dtype, device=w.device))
         self.lora_b = nn.Parameter(torch.zeros(num_slots, base.out_features, rank, dtype=w.dtype, device=w.device))
         self.reset_slots()
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.base.weight
-
-    @property
-    def in_features(self) -> int:
-        return self.base.in_features
-
-    @property
-    def out_features(self) -> int:
-        return self.base.out_features
 
     @torch.no_grad()
     def reset_slots(self) -> None:
