@@ -7,22 +7,16 @@
 
 #include <cmath>
 
+#include "../common/irls_checks.h"
+
 namespace specadapt {
 namespace cpu {
 namespace {
 
 at::Tensor irls_accumulate_cpu(const at::Tensor& features, const at::Tensor& predictions, const at::Tensor& accepted,
                                const at::Tensor& verified) {
-  TORCH_CHECK(features.dim() == 2, "features must be [B, K], got ", features.sizes());
-  TORCH_CHECK(predictions.sizes() == features.sizes(), "predictions must have the shape of features ",
-              features.sizes(), ", got ", predictions.sizes());
+  check_irls_args(features, predictions, accepted, verified);
   const int64_t B = features.size(0), K = features.size(1);
-  TORCH_CHECK(accepted.dim() == 1 && accepted.size(0) == B, "accepted must be [B] = [", B, "], got ", accepted.sizes());
-  TORCH_CHECK(verified.dim() == 1 && verified.size(0) == B, "verified must be [B] = [", B, "], got ", verified.sizes());
-  TORCH_CHECK(features.is_floating_point() && predictions.is_floating_point(),
-              "features and predictions must be floating tensors");
-  TORCH_CHECK(!accepted.is_floating_point() && !verified.is_floating_point(),
-              "accepted and verified must be integer tensors");
   const auto f = features.to(at::kDouble).contiguous();
   const auto p = predictions.to(at::kDouble).contiguous();
   const auto acc = accepted.to(at::kLong).contiguous();

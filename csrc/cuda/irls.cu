@@ -4,6 +4,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "../common/irls_checks.h"
 #include "irls.cuh"
 
 namespace specadapt {
@@ -13,19 +14,8 @@ constexpr int kThreads = 128;
 
 at::Tensor irls_accumulate_cuda(const at::Tensor& features, const at::Tensor& predictions, const at::Tensor& accepted,
                                 const at::Tensor& verified) {
-  TORCH_CHECK(features.dim() == 2, "features must be [B, K], got ", features.sizes());
-  TORCH_CHECK(predictions.sizes() == features.sizes(), "predictions must have the shape of features ",
-              features.sizes(), ", got ", predictions.sizes());
+  check_irls_args(features, predictions, accepted, verified);
   const int64_t B = features.size(0), K = features.size(1);
-  TORCH_CHECK(accepted.dim() == 1 && accepted.size(0) == B, "accepted must be [B] = [", B, "], got ", accepted.sizes());
-  TORCH_CHECK(verified.dim() == 1 && verified.size(0) == B, "verified must be [B] = [", B, "], got ", verified.sizes());
-  TORCH_CHECK(features.is_floating_point() && predictions.is_floating_point(),
-              "features and predictions must be floating tensors");
-  TORCH_CHECK(!accepted.is_floating_point() && !verified.is_floating_point(),
-              "accepted and verified must be integer tensors");
-  TORCH_CHECK(predictions.device() == features.device() && accepted.device() == features.device() &&
-                  verified.device() == features.device(),
-              "irls_accumulate inputs must be on one device");
   const c10::cuda::CUDAGuard guard(features.device());
   const auto f = features.to(at::kDouble).contiguous();
   const auto p = predictions.to(at::kDouble).contiguous();

@@ -95,8 +95,7 @@ class EagleDraft(Draft):
                 raise RuntimeError("EAGLE draft has context but no pending pairs: observe_target was not called")
             dtype = self.head.fuse.weight.dtype
             return torch.zeros(batch, hidden, dtype=dtype), torch.zeros(batch, self.head.draft_vocab.numel()), has
-        ids, _ = _pad([h[len(h) - int(c) :] if c else [] for h, c in zip(histories, counts.tolist())])
-        ids = ids[:, :width] if ids.shape[1] >= width else ids
+        ids, _ = _pad([h[len(h) - int(c) :] if c else [] for h, c in zip(histories, counts.tolist())])  # [B, width]
         feats = self._pending[:, :width]
         out = self.kv.forward(ids, counts, return_outputs=True, features=feats)
         last = (counts - 1).clamp_min(0)
