@@ -1,0 +1,237 @@
+"""The plugin's settings: one frozen record built from CLI flags, a JSON file or an environment variable.
+
+Pure Python (no sglang import) so that the flag surface and the validation rules are testable anywhere. The
+validation reads only a handful of SGLang ``ServerArgs`` fields by name (``speculative_algorithm``,
+``speculative_draft_model_path``, ``speculative_eagle_topk``, ``speculative_num_steps``, ``device``) and
+raises :class:`PluginConfigError` naming the flag when a combination cannot work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ENV_CONFIG",
+    "PluginConfig",
+    "PluginConfigError",
+    "VERIFY_CHOICES",
+    "config_from_env",
+    "validate_for_server",
+]
+
+#: Environment variable read by every process: a path to a JSON file, or the JSON object itself. It is how
+#: ``sglang.Engine(**kwargs)`` users (who cannot pass unknown kwargs) enable the plugin; spawned scheduler
+#: processes inherit it.
+ENV_CONFIG = "SPECADAPT_SGLANG_CONFIG"
+
+#: ``builtin`` leaves SGLang's own acceptance untouched; the others replace it with the specadapt kernels.
+VERIFY_CHOICES = ("builtin", "chain", "block", "gbv")
+
+#: Whether the plugin can draft K independent sampled paths inside SGLang (needed by ``gbv``).
+GBV_DRAFTING_AVAILABLE = False
+
+#: Algorithms whose sampler / acceptance the plugin knows how to replace, per rule.
+_RULE_ALGORITHMS = {
+    "chain": ("EAGLE", "EAGLE3", "STANDALONE", "DFLASH"),
+    "block": ("EAGLE", "EAGLE3", "STANDALONE", "DFLASH"),
+    "gbv": ("EAGLE", "EAGLE3", "STANDALONE"),
+}
+#: Algorithms whose draft TTS can train: the plugin has a differentiable forward for SGLang's EAGLE-3 style
+#: Llama draft (:mod:`specadapt.sglang.students`); DFLASH / STANDALONE drafts have none yet.
+_TTS_ALGORITHMS = ("EAGLE", "EAGLE3")
+#: Adaptive verification needs the draft's q rows (EAGLE-family drafts under rejection sampling); a DFLASH
+#: block is deterministic, so its q is a point mass and carries no confidence signal.
+_AV_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE")
+
+
+class PluginConfigError(ValueError):
+    """A specadapt flag (or flag combination) that cannot work; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    """specadapt settings inside an SGLang server (flags in :mod:`specadapt.sglang.flags`).
+
+    Attributes:
+        verify: ``builtin`` | ``chain`` | ``block`` | ``gbv`` (``--specadapt-verify``).
+        num_paths: K draft paths per request for ``gbv`` (``--specadapt-num-paths``; 1 otherwise).
+        adaptive_verification: fit the acceptance estimator online and cap each request's verified drafts.
+        av_refit_interval, av_damping, av_init_slope, av_init_intercept: estimator settings, as the embedded
+            engine's ``--av-*`` flags.
+        av_cost_table: JSON cost table (``specadapt.budget.CostTable``) or ``None``: SGLang 0.5.23 verifies
+            EAGLE drafts at a fixed padded width, so by default the verify cost is flat in the verified tokens
+            and the budget keeps every draft (the estimator still fits and reports); a measured table of a
+            ragged-verify deployment makes the caps prune.
+        tts: Test-Time Speculation on the draft model.
+        tts_stride, tts_lr, tts_lambda, tts_position_decay, tts_params, tts_lora_rank, tts_rollback_margin,
+            tts_context_window: as the embedded engine's ``--tts-*`` flags (docs/tts.md).
+        seed: seed of the coins the plugin draws when SGLang hands it none (DFLASH acceptance).
+    """
+
+    verify: str = "builtin"
+    num_paths: int = 1
+    adaptive_verification: bool = False
+    av_refit_interval: int = 100
+    av_damping: float = 50.0
+    av_init_slope: float = 0.5
+    av_init_intercept: float = -0.2
+    av_cost_table: str | None = None
+    tts: bool = False
+    tts_stride: int = 5
+    tts_lr: float = 3e-5
+    tts_lambda: float = 0.1
+    tts_position_decay: float = 0.8
+    tts_params: str = "full"
+    tts_lora_rank: int = 8
+    tts_rollback_margin: float = 0.5
+    tts_context_window: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.verify in VERIFY_CHOICES, "--specadapt-verify", f"must be one of {VERIFY_CHOICES}, got {self.verify!r}"),
+            (self.num_paths >= 1, "--specadapt-num-paths", f"must be >= 1, got {self.num_paths}"),
+            (self.verify == "gbv" or self.num_paths == 1, "--specadapt-num-paths",
+             f"is the number of GBV paths; it needs --specadapt-verify gbv (got {self.verify!r} with {self.num_paths} paths)"),
+            (self.av_refit_interval >= 1, "--av-refit-interval", f"must be >= 1, got {self.av_refit_interval}"),
+            (self.av_damping >= 0, "--av-damping", f"must be >= 0, got {self.av_damping}"),
+            (self.tts_stride >= 1, "--tts-stride", f"must be >= 1, got {self.tts_stride}"),
+            (self.tts_lr > 0, "--tts-lr", f"must be > 0, got {self.tts_lr}"),
+            (self.tts_lambda >= 0, "--tts-lambda", f"must be >= 0, got {self.tts_lambda}"),
+            (0 < self.tts_position_decay <= 1, "--tts-position-decay", f"must lie in (0, 1], got {self.tts_position_decay}"),
+            (self.tts_params in ("full", "lora"), "--tts-params", f"must be full or lora, got {self.tts_params!r}"),
+            (self.tts_lora_rank >= 1, "--tts-lora-rank", f"must be >= 1, got {self.tts_lora_rank}"),
+            (0 <= self.tts_rollback_margin <= 1, "--tts-rollback-margin", f"must lie in [0, 1], got {self.tts_rollback_margin}"),
+            (self.tts_context_window >= 1, "--tts-context-window", f"must be >= 1, got {self.tts_context_window}"),
+        ]
+        for ok, flag, message in checks:
+            if not ok:
+                raise PluginConfigError(f"{flag} {message}")
+        if self.av_cost_table is not None and not Path(self.av_cost_table).is_file():
+            raise PluginConfigError(f"--av-cost-table {self.av_cost_table!r}: no such file")
+
+    @property
+    def enabled(self) -> bool:
+        """True when any specadapt feature is switched on."""
+        return self.verify != "builtin" or self.adaptive_verification or self.tts
+
+    @property
+    def replaces_verification(self) -> bool:
+        """True when the plugin's kernels decide acceptance (a specadapt rule, or adaptive caps)."""
+        return self.verify != "builtin" or self.adaptive_verification
+
+    @property
+    def rule(self) -> str:
+        """The single-path rule used by the replaced sampler (``builtin`` + adaptive verification = chain)."""
+        return "chain" if self.verify == "builtin" else self.verify
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON-serialisable), the form carried on ``ServerArgs._specadapt``."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> "PluginConfig":
+        """Build from a dict of field values; unknown keys raise :class:`PluginConfigError` naming them."""
+        if not isinstance(data, dict):
+            raise PluginConfigError(f"{source}: expected a JSON object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PluginConfigError(f"{source}: unknown specadapt setting(s) {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text_or_path: str, source: str = ENV_CONFIG) -> "PluginConfig":
+        """Parse a JSON object given inline (starts with ``{``) or as a file path."""
+        text = text_or_path.strip()
+        if not text.startswith("{"):
+            path = Path(text)
+            if not path.is_file():
+                raise PluginConfigError(f"{source}: {text!r} is neither a JSON object nor a file")
+            source, text = f"{source} ({path})", path.read_text()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PluginConfigError(f"{source}: invalid JSON ({exc})") from None
+        return cls.from_dict(data, source)
+
+
+def config_from_env(environ: dict[str, str] | None = None) -> PluginConfig | None:
+    """The config in ``$SPECADAPT_SGLANG_CONFIG`` (JSON object or file path), or ``None`` when unset."""
+    value = (os.environ if environ is None else environ).get(ENV_CONFIG)
+    if not value:
+        return None
+    return PluginConfig.from_json(value)
+
+
+def _field(server_args: Any, name: str, default: Any = None) -> Any:
+    return getattr(server_args, name, default)
+
+
+def validate_for_server(config: PluginConfig, server_args: Any) -> None:
+    """Reject combinations that cannot work with the server's speculative settings.
+
+    Args:
+        config: the plugin settings.
+        server_args: an SGLang ``ServerArgs`` (or any object with its field names).
+
+    Raises:
+        PluginConfigError: the message names the specadapt flag and the SGLang flag it conflicts with.
+    """
+    if not config.enabled:
+        return
+    algo = _field(server_args, "speculative_algorithm")
+    algo = None if algo is None else str(algo).upper()
+    if algo == "NEXTN":
+        algo = "EAGLE"
+    features = [name for name, on in (("--tts", config.tts), ("--adaptive-verification", config.adaptive_verification),
+                                        (f"--specadapt-verify {config.verify}", config.verify != "builtin")) if on]
+    if algo is None:
+        raise PluginConfigError(
+            f"{', '.join(features)} need speculative decoding: pass --speculative-algorithm EAGLE3, STANDALONE or DFLASH"
+        )
+    if config.replaces_verification and algo not in _RULE_ALGORITHMS[config.rule]:
+        flag = "--adaptive-verification" if config.verify == "builtin" else f"--specadapt-verify {config.verify}"
+        raise PluginConfigError(
+            f"{flag} cannot replace the acceptance of --speculative-algorithm {algo}; "
+            f"it supports {', '.join(_RULE_ALGORITHMS[config.rule])}"
+        )
+    if config.adaptive_verification and algo not in _AV_ALGORITHMS:
+        raise PluginConfigError(
+            f"--adaptive-verification reads the draft's q rows, which --speculative-algorithm {algo} does not "
+            f"produce (use one of {', '.join(_AV_ALGORITHMS)})"
+        )
+    if config.verify == "gbv":
+        topk = _field(server_args, "speculative_eagle_topk")
+        if topk is not None and int(topk) != config.num_paths:
+            raise PluginConfigError(
+                f"--specadapt-verify gbv drafts --specadapt-num-paths={config.num_paths} sampled paths as the "
+                f"branches of SGLang's draft tree: set --speculative-eagle-topk {config.num_paths} (got {topk})"
+            )
+        if config.num_paths < 2:
+            raise PluginConfigError("--specadapt-verify gbv needs --specadapt-num-paths >= 2 (K = 1 is block verification)")
+        if not GBV_DRAFTING_AVAILABLE:
+            raise PluginConfigError(
+                "--specadapt-verify gbv needs K independently sampled draft paths with their q rows; SGLang's EAGLE "
+                "draft graph builds a top-k beam tree instead, and the plugin's K-path sampled drafting hook is not "
+                "implemented in this version (the GBV kernel and its SGLang tree adapter are: "
+                "specadapt.sglang.gbv). Use --specadapt-verify block"
+            )
+    if config.tts:
+        if algo not in _TTS_ALGORITHMS:
+            raise PluginConfigError(
+                f"--tts trains a draft model; --speculative-algorithm {algo} has none "
+                f"(use one of {', '.join(_TTS_ALGORITHMS)})"
+            )
+        if not _field(server_args, "speculative_draft_model_path"):
+            raise PluginConfigError("--tts needs a draft model: pass --speculative-draft-model-path")
+    device = _field(server_args, "device")
+    if config.replaces_verification and config.rule != "chain" and device not in (None, "cuda"):
+        raise PluginConfigError(
+            f"--specadapt-verify {config.verify} runs on sampled drafts, which SGLang produces on CUDA only "
+            f"(--device {device} verifies greedily)"
+        )

@@ -1,0 +1,200 @@
+"""The heavy hooks, installed in each scheduler (TP worker) process once its speculative worker exists and
+before CUDA graphs are captured (from the AFTER hook on ``Scheduler.maybe_init_draft_worker``).
+
+| feature | algorithms | hook |
+|---|---|---|
+| ``--specadapt-verify chain/block``, ``--adaptive-verification`` | EAGLE, EAGLE3, STANDALONE | REPLACE ``reject_sampling.chain_speculative_sampling_triton`` |
+| same | DFLASH | AROUND ``DFlashWorkerV2._accept_block`` |
+| ``--adaptive-verification``, ``--tts`` | EAGLE family | AROUND ``eagle_utils.eagle_sample`` (caps, snapshots, outcomes) |
+| ``--tts`` | EAGLE family | AROUND ``EAGLEWorkerV2.forward_batch_generation`` (round boundary, publish) |
+| ``--tts`` | EAGLE family | AFTER ``BaseSpecWorker.note_request_finished`` (drop history) |
+
+After ``HookRegistry.apply_hooks()`` every target is checked (:func:`specadapt.sglang.plugin.check_applied`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .config import PluginConfig
+from .verify import VerifyRuntime, chain_speculative_sampling, dflash_accept_block, get_runtime, set_runtime
+
+logger = logging.getLogger("specadapt.sglang")
+
+__all__ = ["HOOK_TARGETS", "PluginState", "eagle_sample_around", "forward_batch_generation_around",
+           "get_state", "install_worker_hooks", "plan_targets"]
+
+CHAIN_SAMPLER = "sglang.kernels.ops.speculative.reject_sampling.chain_speculative_sampling_triton"
+DFLASH_ACCEPT = "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2._accept_block"
+EAGLE_SAMPLE = "sglang.srt.speculative.eagle_utils.eagle_sample"
+EAGLE_FORWARD = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.forward_batch_generation"
+REQUEST_FINISHED = "sglang.srt.speculative.base_spec_worker.BaseSpecWorker.note_request_finished"
+#: Every target the plugin may hook in a scheduler process (tests check each exists in the installed sglang).
+HOOK_TARGETS = (CHAIN_SAMPLER, DFLASH_ACCEPT, EAGLE_SAMPLE, EAGLE_FORWARD, REQUEST_FINISHED)
+EAGLE_FAMILY = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
+
+
+@dataclass
+class PluginState:
+    """Everything the hooks of one scheduler process share."""
+
+    config: PluginConfig
+    runtime: VerifyRuntime
+    adaptive: object = None  # SGLangAdaptiveVerification
+    tts: object = None  # SGLangTTS
+    algorithm: str = ""
+
+
+_STATE: PluginState | None = None
+
+
+def get_state() -> PluginState | None:
+    """The installed state of this process (``None`` before installation)."""
+    return _STATE
+
+
+def plan_targets(config: PluginConfig, algorithm: str) -> list[tuple[str, str, object]]:
+    """``(target, hook type name, hook)`` for ``config`` on ``algorithm`` (no sglang import)."""
+    algorithm = algorithm.upper()
+    targets = []
+    eagle = algorithm in EAGLE_FAMILY
+    if config.replaces_verification:
+        if eagle:
+            targets.append((CHAIN_SAMPLER, "REPLACE", chain_speculative_sampling))
+        elif algorithm == "DFLASH":
+            targets.append((DFLASH_ACCEPT, "AROUND", dflash_accept_block))
+    if eagle and (config.adaptive_verification or config.tts):
+        targets.append((EAGLE_SAMPLE, "AROUND", eagle_sample_around))
+    if eagle and config.tts:
+        targets.append((EAGLE_FORWARD, "AROUND", forward_batch_generation_around))
+        targets.append((REQUEST_FINISHED, "AFTER", request_finished_after))
+    return targets
+
+
+def install_worker_hooks(scheduler, config: PluginConfig, asynchronous_tts: bool = True) -> PluginState:
+    """Build the process state from the scheduler's speculative worker, register and apply the heavy hooks,
+    and check they applied.
+
+    Raises:
+        RuntimeError: a hook SGLang did not apply.
+        ValueError: TTS on a draft without a student (see :func:`specadapt.sglang.students.build_student`).
+    """
+    global _STATE
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from .plugin import check_applied
+
+    server_args = scheduler.server_args
+    algorithm = str(server_args.speculative_algorithm or "").upper()
+    runtime = VerifyRuntime(rule=config.rule, seed=config.seed)
+    state = PluginState(config=config, runtime=runtime, algorithm=algorithm)
+    worker = scheduler.draft_worker
+    if config.adaptive_verification:
+        from .adaptive import SGLangAdaptiveVerification
+
+        steps = int(server_args.speculative_num_steps or 1)
+        state.adaptive = SGLangAdaptiveVerification(
+            config, steps, max_requests=int(getattr(server_args, "max_running_requests", None) or 256),
+            broadcast=_tp_broadcast(),
+        )
+    if config.tts:
+        from .students import build_student
+        from .tts import SGLangTTS
+
+        draft_model = worker.draft_worker.draft_runner.model
+        student = build_student(draft_model, draft_model.config, config.tts_params)
+        state.tts = SGLangTTS(student, config, asynchronous=asynchronous_tts)
+    set_runtime(runtime)
+    _STATE = state
+    targets = plan_targets(config, algorithm)
+    for target, kind, hook in targets:
+        HookRegistry.register(target, hook, getattr(HookType, kind))
+    HookRegistry.apply_hooks()
+    check_applied([t for t, _, _ in targets])
+    logger.info("specadapt: installed %d hook(s) in the scheduler (%s): %s", len(targets), algorithm,
+                ", ".join(t.rsplit(".", 2)[-2] + "." + t.rsplit(".", 1)[-1] for t, _, _ in targets))
+    return state
+
+
+def _tp_broadcast():
+    """In-place broadcast from TP rank 0, or ``None`` when TP = 1 / no process group."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        group = get_parallel().tp_group
+    except Exception:  # noqa: BLE001 - no parallel context (tests, TP = 1)
+        return None
+    if getattr(group, "world_size", 1) <= 1:
+        return None
+    return lambda tensor: group.broadcast(tensor, src=0)
+
+
+# ---- hooks ---------------------------------------------------------------------------------------------------
+def eagle_sample_around(original, verify_input, batch, logits_output, *args, **kwargs):
+    """AROUND ``eagle_sample``: caps before the sampler, TTS snapshot of the raw verify outputs, and the
+    outcomes (estimator, TTS history) after. Returns the original's ``(predict, accept_lens, accept_index)``."""
+    state = _STATE
+    mode = getattr(batch, "forward_mode", None)
+    if state is None or (mode is not None and mode.is_idle()):
+        return original(verify_input, batch, logits_output, *args, **kwargs)
+    draft_probs = getattr(verify_input, "draft_probs", None)
+    plan = None
+    if state.adaptive is not None and draft_probs is not None and draft_probs.dim() == 3:
+        caps, features, predictions = state.adaptive.plan(draft_probs)
+        state.runtime.pending_caps = caps
+        plan = (caps, features, predictions)
+    snap = None
+    if state.tts is not None and logits_output.hidden_states is not None:
+        snap = state.tts.snapshot(
+            [req.rid for req in batch.reqs], verify_input.draft_token, logits_output.hidden_states,
+            logits_output.next_token_logits, batch.sampling_info.temperatures, draft_probs,
+        )
+    try:
+        result = original(verify_input, batch, logits_output, *args, **kwargs)
+    finally:
+        leftover = state.runtime.pending_caps  # not consumed: greedy verification ran instead of the sampler
+        state.runtime.pending_caps = None
+    accepted = result[1].to(torch.int64) - 1  # accept_lens include the bonus token
+    if plan is not None:
+        caps, features, predictions = plan
+        verified = caps if leftover is None else torch.full_like(caps, features.shape[1])
+        state.adaptive.observe(features, predictions, accepted, verified)
+    if snap is not None:
+        state.tts.record(snap, accepted)
+    return result
+
+
+def forward_batch_generation_around(original, worker, batch, *args, **kwargs):
+    """AROUND ``EAGLEWorkerV2.forward_batch_generation``: the round boundary of TTS for decode batches (on the
+    current = forward stream, before this round's draft replay)."""
+    state = _STATE
+    mode = getattr(batch, "forward_mode", None)
+    is_decode = mode is not None and not (mode.is_extend() or getattr(batch, "is_extend_in_batch", False))
+    if state is not None and state.tts is not None and is_decode and not _capturing():
+        state.tts.on_round_start()
+    return original(worker, batch, *args, **kwargs)
+
+
+def request_finished_after(result, worker, rid, *args, **kwargs):
+    """AFTER ``note_request_finished``: drop the request's TTS history."""
+    state = _STATE
+    if state is not None and state.tts is not None:
+        state.tts.request_finished(rid)
+    return result
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def reset_state() -> None:
+    """Forget the installed state (tests)."""
+    global _STATE
+    _STATE = None
+    set_runtime(None)
+
+
+_ = get_runtime  # re-exported for the hooks' users

@@ -1,0 +1,245 @@
+"""Test-Time Speculation inside SGLang: per-round snapshots, strided asynchronous updates, in-place publishes.
+
+The technique is :class:`specadapt.tts.TTSUpdater` (shadow copy, background trainer on a side CUDA stream,
+publish by ``torch._foreach_copy_`` into the serving tensors, rollback); this module feeds it from SGLang:
+
+* :meth:`SGLangTTS.snapshot` -- called around ``eagle_sample`` right after the target's verify forward -- clones
+  what distillation needs out of SGLang's graph-owned buffers (they are rewritten at the next replay): per
+  request the verified tokens ``[S]``, the target's aux hidden states ``[S, H]``, the target law on the draft
+  vocabulary ``[S, V_d]`` (temperature applied) and the rows ``q`` the round was drafted from ``[S-1, V_d]``.
+* :meth:`SGLangTTS.record` -- after acceptance -- turns the snapshot into one example per request, with the
+  request's committed history (features and tokens, at most ``tts_context_window``) as context.
+* :meth:`SGLangTTS.on_round_start` -- at the entry of the worker's ``forward_batch_generation`` for decode
+  batches, on the forward stream -- hands the round's examples to the updater, which at every S-th round
+  publishes the update in flight (stream-ordered before the next draft replay) and launches the next one.
+  Every TP rank counts the same rounds, so publishes happen at the same round everywhere.
+
+The differentiable draft forward is a :class:`Student` (:mod:`specadapt.sglang.students`): SGLang's own draft
+modules run fused kernels without autograd, so the student re-implements the draft in plain torch over
+parameters that alias SGLang's tensors (publishes land in the storage CUDA graphs replay).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from ..tts import TTSConfig, TTSUpdater
+from ..tts.loss import position_weights, supervised_counts, tts_loss
+from .config import PluginConfig
+
+logger = logging.getLogger("specadapt.sglang")
+
+__all__ = ["SGLangTTS", "Student", "TTSExample", "tts_config_from_plugin"]
+
+
+class Student(Protocol):
+    """The differentiable forward of one draft architecture.
+
+    Attributes:
+        module: ``nn.Module`` whose trainable parameters alias the serving draft's tensors.
+        draft_vocab: ``[V_d] int64`` target-vocabulary id of each draft output row (EAGLE-3 hot vocabulary), or
+            ``None`` when the draft predicts the target vocabulary.
+    """
+
+    module: nn.Module
+    draft_vocab: torch.Tensor | None
+
+    def trainable(self, name: str, param: nn.Parameter) -> bool: ...
+
+    def logits(self, module: nn.Module, features: torch.Tensor, tokens: torch.Tensor,
+               mask: torch.Tensor) -> torch.Tensor:
+        """``features [N, T, H]`` (target feature of the token before each input), ``tokens [N, T]``,
+        ``mask [N, T]`` bool (valid inputs, left-aligned) -> ``[N, T, V_d]`` logits predicting the next token."""
+        ...
+
+    def refresh(self) -> None:
+        """Refresh buffers derived from the weights after a publish (none for the EAGLE-3 Llama draft)."""
+        ...
+
+
+@dataclass
+class TTSExample:
+    """Supervision of one request in one round.
+
+    Attributes:
+        features: ``[T, H]`` inputs' preceding target features (context then the round).
+        tokens: ``[T]`` int64 inputs (context tokens then the round's verified tokens except the last).
+        teacher: ``[L, V_d]`` target law at the round's draft positions.
+        drafted: ``[L, V_d]`` the q rows the drafts were sampled from, or ``None``.
+        accepted: drafts accepted (tau).
+        first_valid: 1 when the request had no committed history (position 1 has no preceding feature).
+    """
+
+    features: torch.Tensor
+    tokens: torch.Tensor
+    teacher: torch.Tensor
+    drafted: torch.Tensor | None
+    accepted: int
+    first_valid: int
+
+    def nbytes(self) -> int:
+        tensors = [self.features, self.tokens, self.teacher] + ([self.drafted] if self.drafted is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def tts_config_from_plugin(config: PluginConfig) -> TTSConfig:
+    """The :class:`specadapt.tts.TTSConfig` of the plugin's ``tts_*`` settings."""
+    return TTSConfig(stride=config.tts_stride, lr=config.tts_lr, proximal_weight=config.tts_lambda,
+                     position_decay=config.tts_position_decay, params=config.tts_params,
+                     lora_rank=config.tts_lora_rank, rollback_margin=config.tts_rollback_margin,
+                     context_window=config.tts_context_window)
+
+
+class SGLangTTS:
+    """TTS state of one scheduler process.
+
+    Args:
+        student: the draft's :class:`Student`.
+        config: plugin settings.
+        asynchronous: background trainer (``False``: inline updates, for tests and debugging).
+
+    Raises:
+        ValueError: the student selects no trainable parameter.
+    """
+
+    def __init__(self, student: Student, config: PluginConfig, asynchronous: bool = True) -> None:
+        self.student = student
+        self.config = tts_config_from_plugin(config)
+        self.updater = TTSUpdater(student.module, student.trainable, self._loss, self.config,
+                                  on_publish=student.refresh, asynchronous=asynchronous,
+                                  example_bytes=lambda ex: ex.nbytes())
+        self.history: dict[str, collections.deque] = {}
+        self._pending: list[TTSExample] = []
+        self._pending_acceptance: list[float] = []
+        self.rounds = 0
+
+    # ---- the serving loop's side ---------------------------------------------------------------------------
+    def snapshot(self, rids, tokens, features, target_logits, temperatures, draft_probs=None) -> dict:
+        """Clone one verify round out of SGLang's buffers (call before acceptance mutates the logits).
+
+        Args:
+            rids: request ids, ``B`` of them.
+            tokens: ``[B*S]`` or ``[B, S]`` int verified tokens (slot 0 = last committed token, then L drafts).
+            features: ``[B*S, H]`` target aux hidden states at those slots.
+            target_logits: ``[B*S, V]`` the target's raw logits.
+            temperatures: ``[B]`` or ``[B, 1]`` sampling temperatures (0 is treated as 1: greedy decoding
+                only needs the argmax, and a tempered law is a better teacher than a one-hot).
+            draft_probs: ``[B, L, V]`` q rows of the round or ``None``.
+
+        Returns:
+            An opaque snapshot for :meth:`record`.
+        """
+        batch = len(rids)
+        tokens = tokens.reshape(batch, -1)
+        slots = tokens.shape[1]
+        vocab_ids = self.student.draft_vocab
+        logits = target_logits.reshape(batch, slots, -1).float()
+        temps = temperatures.reshape(batch, 1, 1).float().to(logits.device)
+        temps = torch.where(temps > 0, temps, torch.ones_like(temps))
+        teacher = torch.softmax(logits / temps, dim=-1)
+        drafted = draft_probs.float() if draft_probs is not None else None
+        if vocab_ids is not None:
+            ids = vocab_ids.to(logits.device)
+            teacher = teacher.index_select(-1, ids)
+            teacher = teacher / teacher.sum(-1, keepdim=True).clamp_min(1e-30)
+            drafted = drafted.index_select(-1, ids) if drafted is not None else None
+        snap = {
+            "rids": list(rids),
+            "tokens": tokens.to(torch.int64).clone(),
+            "features": features.reshape(batch, slots, -1).detach().clone(),
+            "teacher": teacher.detach(),  # fresh tensors already
+            "drafted": drafted.detach().clone() if drafted is not None else None,
+        }
+        if self.updater._cuda:
+            for value in snap.values():
+                if isinstance(value, torch.Tensor):
+                    value.record_stream(self.updater._stream)
+        return snap
+
+    def record(self, snap: dict, accepted) -> None:
+        """Build the round's examples from ``snap`` and ``accepted`` (``[B]`` drafts accepted, bonus excluded)
+        and extend each request's committed history."""
+        accepted = [int(a) for a in torch.as_tensor(accepted).reshape(-1).tolist()]
+        window = self.config.context_window
+        slots = snap["tokens"].shape[1]
+        for b, rid in enumerate(snap["rids"]):
+            tau = accepted[b]
+            if not 0 <= tau <= slots - 1:
+                raise ValueError(f"accepted[{b}] = {tau} outside [0, {slots - 1}]")
+            hist = self.history.setdefault(rid, collections.deque(maxlen=window + 1))
+            feats = snap["features"][b]
+            toks = snap["tokens"][b]
+            h_feats = [f for f, _ in hist]
+            h_toks = [t for _, t in hist]
+            first_valid = 0 if hist else 1
+            prev = h_feats[-1:] if hist else [torch.zeros_like(feats[0])]
+            # inputs: context tokens 1.. (each with its predecessor's feature), then the round's slots 0..L-1
+            in_tokens = torch.stack(h_toks[1:] + list(toks[: slots - 1])) if slots > 1 or len(h_toks) > 1 else toks[:0]
+            in_feats = torch.stack(h_feats[:-1] + prev + list(feats[: slots - 2])) if in_tokens.numel() else feats[:0]
+            self._pending.append(TTSExample(
+                features=in_feats, tokens=in_tokens, teacher=snap["teacher"][b, : slots - 1],
+                drafted=None if snap["drafted"] is None else snap["drafted"][b], accepted=tau,
+                first_valid=first_valid,
+            ))
+            for j in range(tau + 1):  # committed slots: the last committed token and the accepted drafts
+                hist.append((feats[j], toks[j]))
+        if accepted:
+            self._pending_acceptance.append(sum(a + 1 for a in accepted) / len(accepted))
+
+    def on_round_start(self) -> None:
+        """Round boundary (entry of ``forward_batch_generation`` of a decode batch): hand over the last round."""
+        if not self._pending and not self._pending_acceptance:
+            return
+        acceptance = self._pending_acceptance[-1] if self._pending_acceptance else None
+        examples, self._pending, self._pending_acceptance = self._pending, [], []
+        self.rounds += 1
+        self.updater.end_round(examples, acceptance)
+
+    def request_finished(self, rid: str) -> None:
+        """Drop a finished request's history."""
+        self.history.pop(rid, None)
+
+    def close(self) -> None:
+        self.updater.close()
+
+    # ---- the trainer's side --------------------------------------------------------------------------------
+    def _loss(self, module: nn.Module, examples: list[TTSExample]) -> torch.Tensor:
+        n = len(examples)
+        width = max(ex.teacher.shape[0] for ex in examples)
+        length = max(ex.tokens.shape[0] for ex in examples)
+        ref = examples[0]
+        device = ref.teacher.device
+        feats = ref.features.new_zeros(n, length, ref.features.shape[-1])
+        tokens = torch.zeros(n, length, dtype=torch.int64, device=device)
+        mask = torch.zeros(n, length, dtype=torch.bool, device=device)
+        teacher = ref.teacher.new_zeros(n, width, ref.teacher.shape[-1])
+        drafted = None if ref.drafted is None else ref.teacher.new_zeros(n, width, ref.teacher.shape[-1])
+        accepted = torch.zeros(n, dtype=torch.int64)
+        num = torch.zeros(n, dtype=torch.int64)
+        first = torch.zeros(n, dtype=torch.int64)
+        for i, ex in enumerate(examples):
+            t = ex.tokens.shape[0]
+            feats[i, :t] = ex.features
+            tokens[i, :t] = ex.tokens
+            mask[i, :t] = True
+            w = ex.teacher.shape[0]
+            teacher[i, :w] = ex.teacher
+            if drafted is not None and ex.drafted is not None:
+                drafted[i, :w] = ex.drafted
+            accepted[i], num[i], first[i] = ex.accepted, w, ex.first_valid
+        logits = self.student.logits(module, feats, tokens, mask)  # [n, length, V_d]
+        # the round's L positions are the last L valid inputs of each row
+        ends = mask.sum(1)
+        index = (ends[:, None] - num[:, None] + torch.arange(width)[None, :]).clamp_min(0).to(device)
+        student = logits.gather(1, index[..., None].expand(-1, -1, logits.shape[-1]))
+        counts = supervised_counts(num, accepted, "accepted")
+        weights = position_weights(counts, width, self.config.position_decay)
+        weights[:, 0] = torch.where(first == 1, torch.zeros(()), weights[:, 0])
+        return tts_loss(student, teacher, weights.to(device), 1.0, drafted,
+                        self.config.proximal_weight if drafted is not None else 0.0)

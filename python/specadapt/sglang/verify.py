@@ -1,0 +1,246 @@
+"""The specadapt verification rules in SGLang's calling conventions (adapters over :mod:`specadapt.kernels`).
+
+* :func:`chain_speculative_sampling` replaces
+  ``sglang.kernels.ops.speculative.reject_sampling.chain_speculative_sampling_triton`` (EAGLE / EAGLE3 /
+  STANDALONE with rejection sampling, top-k 1): same signature, same in-place outputs, driven by SGLang's coins.
+* :func:`dflash_accept_block` wraps (AROUND) ``DFlashWorkerV2._accept_block`` for sampled requests: the DFLASH
+  draft block is deterministic given the context, so its proposal law is the point mass on each drafted token
+  and verifying against it is exact.
+* :func:`target_probs_for_requests` turns SGLang's per-request sampling settings into the target law.
+
+Nothing here imports sglang at module import; the layouts are documented per function.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import kernels
+from ..sampling import SamplingParams, logits_to_probs
+
+logger = logging.getLogger("specadapt.sglang")
+
+__all__ = [
+    "VerifyRuntime",
+    "chain_speculative_sampling",
+    "dflash_accept_block",
+    "get_runtime",
+    "scatter_sglang_outputs",
+    "set_runtime",
+    "target_probs_for_requests",
+]
+
+
+@dataclass
+class VerifyRuntime:
+    """Per-process state the replaced functions read.
+
+    Attributes:
+        rule: ``chain`` or ``block``.
+        impl: kernel implementation passed to :func:`specadapt.kernels.verify` (``auto``).
+        seed: seed of the coins the plugin draws itself (DFLASH).
+        pending_caps: ``[B] int64`` drafts each request may verify this round (adaptive verification sets it
+            right before SGLang's sampler runs and it is consumed by that call), or ``None``.
+        calls: number of verification calls served (for start-up checks and logs).
+    """
+
+    rule: str = "chain"
+    impl: str = "auto"
+    seed: int = 0
+    pending_caps: torch.Tensor | None = None
+    calls: int = 0
+    _generators: dict = field(default_factory=dict)
+
+    def take_caps(self) -> torch.Tensor | None:
+        caps, self.pending_caps = self.pending_caps, None
+        return caps
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        if key not in self._generators:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self.seed)
+            self._generators[key] = gen
+        return self._generators[key]
+
+
+_RUNTIME: VerifyRuntime | None = None
+
+
+def set_runtime(runtime: VerifyRuntime | None) -> None:
+    """Install (or clear) the process-wide :class:`VerifyRuntime`."""
+    global _RUNTIME
+    _RUNTIME = runtime
+
+
+def get_runtime() -> VerifyRuntime:
+    """The installed runtime; ``RuntimeError`` if the plugin did not install one in this process."""
+    if _RUNTIME is None:
+        raise RuntimeError("specadapt: the verification runtime is not installed in this process")
+    return _RUNTIME
+
+
+def scatter_sglang_outputs(accept_len, output_tokens, retrive_index, predicts, accept_index, accept_token_num):
+    """Write a specadapt result into SGLang's in-place chain-verification outputs.
+
+    Args:
+        accept_len: ``[B] int32`` accepted drafts (tau).
+        output_tokens: ``[B, L+1] int32``, the tau accepted drafts then the extra token.
+        retrive_index: ``[B, L+1] int64`` global node id of each slot (``b * (L+1) + j`` in SGLang's chain).
+        predicts: ``[B * (L+1)] int32`` (mutated): the token following each accepted node.
+        accept_index: ``[B, >= L+1] int32`` (mutated): global ids of the root and the accepted nodes, -1 after.
+        accept_token_num: ``[B] int32`` (mutated): tau.
+    """
+    batch, slots = output_tokens.shape
+    tau = accept_len.to(torch.int64)
+    position = torch.arange(slots, device=output_tokens.device)[None, :]
+    live = position <= tau[:, None]
+    index = retrive_index[:, :slots].to(torch.int64)
+    accept_index.fill_(-1)
+    accept_index[:, :slots].copy_(torch.where(live, index, torch.full_like(index, -1)).to(accept_index.dtype))
+    predicts[index[live]] = output_tokens[live].to(predicts.dtype)
+    accept_token_num.copy_(accept_len.to(accept_token_num.dtype))
+
+
+def chain_speculative_sampling(
+    predicts,
+    accept_index,
+    accept_token_num,
+    candidates,
+    retrive_index,
+    retrive_next_token,
+    retrive_next_sibling,
+    uniform_samples,
+    uniform_samples_for_final_sampling,
+    target_probs,
+    draft_probs,
+    threshold_single,
+    threshold_acc,
+    deterministic,
+    *,
+    block_verification: bool = False,
+):
+    """Drop-in replacement of SGLang's chain rejection sampler running the specadapt rule.
+
+    Layout (SGLang 0.5.23, eagle_utils.eagle_sample): ``candidates [B, L+1] int64`` (slot 0 the last committed
+    token), ``retrive_index [B, L+1] int64``, ``uniform_samples [B, L+1] float32`` (the first L are the
+    per-position coins), ``uniform_samples_for_final_sampling [B]``, ``target_probs [B, L+1, V] float32``,
+    ``draft_probs [B, L, V] float32``. Outputs are written in place: ``predicts [B*(L+1)] int32``,
+    ``accept_index [B, L+1] int32``, ``accept_token_num [B] int32`` (accepted drafts, bonus excluded).
+    ``retrive_next_*``, the thresholds, ``deterministic`` and SGLang's own ``block_verification`` switch are
+    ignored: the rule is ``--specadapt-verify`` (chain: Leviathan et al. 2023; block: Sun et al. 2024, Alg. 2),
+    and adaptive verification's per-request caps (``VerifyRuntime.pending_caps``) limit the drafts verified.
+
+    Raises:
+        ValueError: shapes that are not SGLang's chain layout, or no draft law (``draft_probs`` of the target's
+            shape means SGLang ran without rejection sampling, so q does not exist).
+    """
+    runtime = get_runtime()
+    batch, slots = candidates.shape
+    num_drafts = slots - 1
+    if draft_probs.dim() != 3 or draft_probs.shape[1] != num_drafts:
+        raise ValueError(
+            f"specadapt: draft_probs must be [B, L, V] = [{batch}, {num_drafts}, V] (got {tuple(draft_probs.shape)}); "
+            "SGLang passes zeros of the target's shape when rejection sampling is off -- the plugin's resolution "
+            "hook turns it on, so this means the hook did not run"
+        )
+    caps = runtime.take_caps()
+    out = kernels.verify(
+        runtime.rule,
+        candidates.to(torch.int64),
+        target_probs,
+        draft_probs,
+        uniform_samples[:, :num_drafts],
+        uniform_samples_for_final_sampling,
+        num_draft_tokens=caps,
+        impl=runtime.impl,
+    )
+    scatter_sglang_outputs(out.accept_len, out.output_tokens, retrive_index, predicts, accept_index, accept_token_num)
+    runtime.calls += 1
+
+
+def target_probs_for_requests(logits, temperatures, top_ps, top_ks) -> torch.Tensor:
+    """Per-request target law from SGLang's sampling settings.
+
+    Args:
+        logits: ``[B, S, V]`` float, S verified slots per request.
+        temperatures: ``[B]`` or ``[B, 1]`` float; 0 (or top-k 1) = greedy.
+        top_ps: ``[B]`` float in (0, 1].
+        top_ks: ``[B]`` int; values <= 0 or >= V disable top-k.
+
+    Returns:
+        ``[B, S, V] float32`` probabilities (:func:`specadapt.sampling.logits_to_probs` row by row).
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [B, S, V], got {tuple(logits.shape)}")
+    vocab = logits.shape[-1]
+    temps = temperatures.reshape(-1).tolist()
+    tops = top_ps.reshape(-1).tolist()
+    ks = top_ks.reshape(-1).tolist()
+    if not (len(temps) == len(tops) == len(ks) == logits.shape[0]):
+        raise ValueError("temperatures, top_ps and top_ks need one entry per request")
+    rows = []
+    for b in range(logits.shape[0]):
+        k = int(ks[b])
+        greedy = float(temps[b]) <= 0 or k == 1
+        params = SamplingParams(
+            temperature=0.0 if greedy else float(temps[b]),
+            top_p=min(max(float(tops[b]), 1e-6), 1.0),
+            top_k=k if 0 < k < vocab else 0,
+        )
+        rows.append(logits_to_probs(logits[b], params))
+    return torch.stack(rows)
+
+
+def dflash_accept_block(original, worker, *args, **kwargs):
+    """AROUND hook of ``DFlashWorkerV2._accept_block`` (keyword-only arguments in 0.5.23).
+
+    Sampled batches without a selector draft are verified with the specadapt rule against the point-mass
+    proposal of the deterministic DFLASH block; greedy batches, selector drafts and a precomputed
+    ``target_predict`` go to the original. Returns SGLang's tuple ``(accept_len int32 [B], commit_lens int32
+    [B] = accept_len + 1, bonus int64 [B], out_tokens int64 [B, S], None)``.
+    """
+    candidates = kwargs.get("candidates")
+    logits = kwargs.get("next_token_logits")
+    sampling_info = kwargs.get("sampling_info")
+    if (
+        _RUNTIME is None
+        or args
+        or candidates is None
+        or logits is None
+        or kwargs.get("target_predict") is not None
+        or getattr(worker, "_selector_sample", None) is not None
+        or sampling_info is None
+        or getattr(sampling_info, "is_all_greedy", True)
+    ):
+        return original(worker, *args, **kwargs)
+    runtime = _RUNTIME
+    batch, slots = candidates.shape
+    vocab = logits.shape[-1]
+    probs = target_probs_for_requests(
+        logits.reshape(batch, slots, vocab), sampling_info.temperatures, sampling_info.top_ps, sampling_info.top_ks
+    )
+    drafts = candidates[:, 1:].to(torch.int64)
+    draft_probs = torch.zeros(batch, slots - 1, vocab, dtype=torch.float32, device=probs.device)
+    draft_probs.scatter_(2, drafts[..., None], 1.0)
+    gen = runtime.generator(probs.device)
+    coins = torch.rand(batch, slots - 1, generator=gen, device=probs.device)
+    final = torch.rand(batch, generator=gen, device=probs.device)
+    out = kernels.verify(runtime.rule, candidates.to(torch.int64), probs, draft_probs, coins, final,
+                         num_draft_tokens=runtime.take_caps(), impl=runtime.impl)
+    accept_len = out.accept_len.to(torch.int32)
+    bonus = out.output_tokens.to(torch.int64).gather(1, accept_len.to(torch.int64)[:, None]).squeeze(1)
+    sync = getattr(worker, "_tp_sync", None)
+    if sync is not None:
+        from sglang.srt.speculative.spec_tp_sync import SpecTpSyncSite
+
+        sync.sync(SpecTpSyncSite.DFLASH_ACCEPT_SAMPLE, accept_len)
+        sync.sync(SpecTpSyncSite.DFLASH_ACCEPT_SAMPLE, bonus)
+    from sglang.srt.speculative.dflash_worker_v2 import _commit_accept  # SGLang's own block assembly
+
+    out_tokens, commit_lens = _commit_accept(candidates, accept_len, bonus)
+    runtime.calls += 1
+    return accept_len, commit_lens, bonus, out_tokens, None
