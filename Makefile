@@ -13,7 +13,13 @@ DEMO_ARGS ?= --baseline --json results/demo.json
 # The defines torch's extension build passes to nvcc (no implicit half / bfloat16 conversions).
 TORCH_NVCC_DEFINES := -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__
 
-.PHONY: install install-test demo test test-fast cuda-compile-check clean
+SGLANG_VENV ?= .venv-sglang
+SGLANG_SPEC ?= sglang==0.5.23
+SGLANG_BASE_STAMP := $(SGLANG_VENV)/.sglang-installed
+SGLANG_STAMP := $(SGLANG_VENV)/.specadapt-installed
+PY_SOURCES := $(wildcard python/specadapt/*.py python/specadapt/*/*.py)
+
+.PHONY: install install-test install-sglang demo test test-core test-sglang test-fast cuda-compile-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,8 +42,31 @@ install-test: $(TEST_STAMP)
 demo: $(STAMP)  ## run the main job (AIME 2024 prompts, SmolLM2-135M target, ngram draft, with baseline)
 	$(BIN)/specadapt generate $(DEMO_ARGS)
 
-test: $(TEST_STAMP)  ## run the whole test suite (tiny models, the real embedded model, kernels)
+test: test-core test-sglang  ## run the whole test suite: the core tests, then the SGLang plugin against sglang 0.5.23
+
+test-core: $(TEST_STAMP)  ## tests of the engine, kernels and techniques (tiny models, the real embedded model)
 	$(BIN)/python -m pytest -q
+
+# The SGLang plugin's tests need the real sglang (it pins torch 2.14.1, so it gets its own venv). specadapt is
+# built from a copy of the tracked sources so this build never shares build/ objects with the torch-2.13 one.
+# CUDA ops are skipped there (SPECADAPT_NO_CUDA=1): nothing runs on a GPU in these tests.
+$(SGLANG_BASE_STAMP):
+	rm -rf $(SGLANG_VENV)
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install --quiet --upgrade pip setuptools wheel ninja
+	$(SGLANG_VENV)/bin/pip install --quiet "$(SGLANG_SPEC)" pytest hypothesis scipy
+	touch $@
+
+$(SGLANG_STAMP): $(SGLANG_BASE_STAMP) $(SOURCES) $(PY_SOURCES)
+	rm -rf $(SGLANG_VENV)/src && mkdir -p $(SGLANG_VENV)/src
+	git ls-files -co --exclude-standard | grep -v '^\.venv' | tar -cf - -T - | tar -xf - -C $(SGLANG_VENV)/src
+	cd $(SGLANG_VENV)/src && SPECADAPT_NO_CUDA=1 ../bin/pip install --quiet --no-build-isolation --no-deps .
+	touch $@
+
+install-sglang: $(SGLANG_STAMP)  ## .venv-sglang: sglang==0.5.23 + specadapt (the plugin's test environment)
+
+test-sglang: $(SGLANG_STAMP)  ## the plugin against the real sglang 0.5.23 (fails if sglang is missing)
+	cd tests_sglang && SPECADAPT_REQUIRE_SGLANG=1 ../$(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning .
 
 test-fast: $(TEST_STAMP)  ## tests without the real 135M model
 	$(BIN)/python -m pytest -q -m "not real_model"
@@ -46,4 +75,4 @@ cuda-compile-check:  ## compile the torch-free CUDA headers with nvcc for sm_90 
 	nvcc -arch=sm_90 -std=c++17 $(TORCH_NVCC_DEFINES) -c csrc/cuda/compile_check.cu -o /tmp/specadapt_compile_check.o
 
 clean:
-	rm -rf $(VENV) build python/*.egg-info python/specadapt/*.so results
+	rm -rf $(VENV) $(SGLANG_VENV) build python/*.egg-info python/specadapt/*.so results
