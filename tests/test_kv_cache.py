@@ -70,3 +70,25 @@ def test_rollback_is_not_a_no_op():
     stale = cache.forward(torch.tensor([[6]]), torch.tensor([1]))[0, 0]
     torch.testing.assert_close(stale, _fresh_logits(model, [1, 2, 3, 4, 5, 6])[-1], atol=1e-4, rtol=1e-4)
     assert not torch.allclose(stale, _fresh_logits(model, [1, 2, 3, 6])[-1], atol=1e-3)
+
+
+def test_appends_write_into_spare_capacity_and_adopt_replaced_tensors():
+    """Appending copies only the new tokens (the buffer stays put while capacity lasts); compaction / row
+    selection replace the tensors and the next append adopts them into a fresh buffer with the same contents."""
+    torch.manual_seed(0)
+    model = tiny_llama(vocab=32, layers=2)
+    kv = RaggedKVCache(model, 2, compact_min_waste=1, compact_fraction=0.0)
+    kv.forward(torch.randint(32, (2, 5)), torch.tensor([5, 5]))
+    layer = kv.cache.layers[0]
+    start = layer.keys.data_ptr()
+    for _ in range(10):
+        kv.forward(torch.randint(32, (2, 1)), torch.tensor([1, 1]))
+        assert layer.keys.data_ptr() == start and layer.values.data_ptr() == layer._vbuf.data_ptr()
+    assert layer.keys.shape[2] == 15 and layer._kbuf.shape[2] >= 15
+    kv.forward(torch.randint(32, (2, 3)), torch.tensor([3, 1]))
+    kv.forward(torch.randint(32, (2, 1)), torch.tensor([1, 1]))  # row 1 now has two holes before its last token
+    kv.compact()  # gathers into new tensors
+    before = layer.keys.clone()
+    kv.forward(torch.randint(32, (2, 1)), torch.tensor([1, 1]))
+    assert torch.equal(layer.keys[:, :, : before.shape[2]], before)  # adopted with its contents
+    assert layer.keys.data_ptr() == layer._kbuf.data_ptr()
