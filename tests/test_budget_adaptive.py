@@ -107,3 +107,47 @@ def test_adaptive_refuses_gbv(tiny_target):
         SpeculativeEngine(tiny_target, draft, GREEDY, 2, "gbv", num_paths=2, adaptive=av)
     # ngram drafts work with it (q one-hot: feature 40)
     SpeculativeEngine(tiny_target, NgramDraft(), GREEDY, 2, "block", adaptive=av).generate(PROMPTS[:1], 5)
+
+
+@pytest.mark.parametrize("budget", [0, 1, 3, 6, 40])
+def test_early_stop_gives_the_caps_of_full_drafting(tiny_target, budget):
+    """Same generator state, same estimator, same stale B*: drafting with the early-stop filter yields exactly
+    the caps (and the capped tokens) of drafting every position then pruning; only the width shrinks."""
+    params = SamplingParams(1.0)
+    histories = [[1, 2, 3, 4], [5, 6], [7, 8, 9], [3, 3, 3, 3, 3]]
+    L = 5
+    estimator = AcceptanceEstimator(L, init_slope=0.4, init_intercept=0.3)
+    estimator.intercepts = torch.tensor([0.5, 0.0, -0.5, -1.0, -1.5], dtype=torch.float64)
+    costs = CostTable(target_ms=[1.0] * 64, draft_ms=[0.0])
+    results = {}
+    for early in (False, True):
+        av = AdaptiveVerification(estimator, costs, early_stop=early)
+        av.stale_budget = budget
+        draft = ModelDraft(self_draft(tiny_target, 1), params, torch.Generator().manual_seed(11), "self:1")
+        draft.draft_filter = av.draft_filter if early else None
+        draft.start(histories)
+        proposal = draft.propose(histories, torch.full((4,), L), 32)
+        av.stale_budget = budget
+        caps, _, _ = av.plan(proposal.probs, proposal.num_tokens)
+        results[early] = (caps, proposal, av.pruned)
+    (caps_full, full, pruned_full), (caps_early, early_p, pruned_early) = results[False], results[True]
+    assert torch.equal(caps_full, caps_early)
+    assert pruned_full == pruned_early  # drafts never drafted count as pruned
+    for r in range(4):
+        c = int(caps_full[r])
+        assert torch.equal(full.tokens[r, :c], early_p.tokens[r, :c])
+    assert early_p.tokens.shape[1] <= full.tokens.shape[1]
+    if budget <= 3:
+        assert early_p.tokens.shape[1] < L, "a small budget must cut drafting short"
+    if budget == 0:
+        assert int(early_p.num_tokens.max()) == 0
+
+
+def test_draft_filter_is_off_without_a_budget_or_pruning():
+    costs = CostTable(target_ms=[1.0] * 8, draft_ms=[0.0])
+    av = AdaptiveVerification(AcceptanceEstimator(3), costs)
+    probs = torch.full((2, 1, 5), 0.2)
+    assert av.draft_filter(0, probs, torch.tensor([3, 0])).tolist() == [True, False]  # no stale budget yet
+    av.stale_budget = 0
+    av.prune = False
+    assert av.draft_filter(0, probs, torch.tensor([3, 3])).tolist() == [True, True]

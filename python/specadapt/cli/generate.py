@@ -69,6 +69,9 @@ def add_parser(sub) -> None:
                     help="prune each round's drafts to the budget an online acceptance estimator predicts pays")
     av.add_argument("--av-refit-interval", type=int, default=100, help="decode steps between IRLS refits")
     av.add_argument("--av-damping", type=float, default=50.0, help="D in the evidence damping n/(n+D)")
+    av.add_argument("--av-no-early-stop", action="store_true",
+                    help="draft every position even when the budget cannot verify it (default: model drafts stop "
+                         "a request's drafting at its first slot outside the budget; same caps, less work)")
     av.add_argument("--av-init-slope", type=float, default=0.5, help="initial shared slope omega")
     av.add_argument("--av-init-intercept", type=float, default=-0.2, help="initial per-position intercept beta_k")
     av.add_argument("--log-drafts", default=None, metavar="PATH",
@@ -238,6 +241,7 @@ def run(args) -> int:
             raise UsageError(f"--log-drafts: cannot write {args.log_drafts!r}: {exc.strerror}") from None
         adaptive.draft_log = draft_log
         adaptive.prune = args.adaptive_verification
+        adaptive.early_stop = not args.av_no_early_stop
     tts = None
     if args.tts:
         from ..engine.tts_bridge import EngineTTS

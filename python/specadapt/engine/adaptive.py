@@ -34,6 +34,8 @@ class AdaptiveVerification:
         stale_budget: B* chosen from the previous round (``None`` before the first round: verify everything).
         pruned, verified: counters of draft tokens pruned / verified so far.
         prune: ``False`` runs the estimator without pruning (every draft verified), e.g. to log it at fixed L.
+        early_stop: let model drafts stop drafting rows whose next slot falls outside the budget
+            (:meth:`draft_filter`; ``--av-no-early-stop`` turns it off to measure its effect).
         draft_log: an open text file receiving one JSON line per verified draft (see
             :mod:`specadapt.estimator.evaluation`), or ``None``.
     """
@@ -45,6 +47,7 @@ class AdaptiveVerification:
     verified: int = 0
     history: list = field(default_factory=list)
     prune: bool = True
+    early_stop: bool = True  # stop drafting a row once its next slot cannot be verified (draft_filter)
     draft_log: object = None  # an open text file: one JSON line per verified draft (--log-drafts)
     rounds: int = 0
     _plan_refits: int = 0
@@ -75,6 +78,45 @@ class AdaptiveVerification:
         self.pruned += int((num_drafts - num_verify).sum())
         self.verified += int(num_verify.sum())
         return num_verify, features, predictions
+
+    def draft_filter(self, step: int, draft_probs: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
+        """Early stop of drafting: which rows keep draft position ``step`` (0-based).
+
+        Called by a model draft after it computed the q rows of position ``step`` for every row (before any
+        target work). A row drops position ``step`` and stops drafting when that slot's survival is strictly
+        below the ``B*``-th largest survival of the slots known so far: the final allocation ranks a superset of
+        those slots with the same stale ``B*`` (chosen in the previous round), so such a slot is never among
+        the verified ones, and neither is any later slot of its row (survival does not increase along a row).
+        The caps :meth:`plan` then computes are the ones full drafting would give; only draft work and the
+        target's forward width shrink. The decision for position ``step`` depends on q rows ``<= step``, i.e. on
+        the drafted tokens before ``step``, never on the token drawn at ``step`` (the exactness condition).
+
+        Args:
+            step: the position just drafted.
+            draft_probs: ``[B, step + 1, V]`` q rows of positions ``0..step``.
+            num_drafts: ``[B]`` int64 positions each row currently drafts (``> step`` = still drafting).
+
+        Returns:
+            ``[B]`` bool: rows that keep position ``step``.
+        """
+        batch = draft_probs.shape[0]
+        keep = num_drafts > step
+        if self.stale_budget is None or not self.prune or not bool(keep.any()):
+            return keep
+        features = feature_from_probs(draft_probs)
+        surv = survival(self.estimator.predict(features), torch.clamp(num_drafts, max=step + 1))  # [B, step+1]
+        known = torch.arange(step + 1)[None, :] < torch.clamp(num_drafts, max=step + 1)[:, None]
+        values = surv[known]
+        budget = self.stale_budget
+        if budget <= 0:
+            threshold = float("inf")  # nothing can be verified
+        elif values.numel() < budget:
+            return keep
+        else:
+            threshold = float(values.sort(descending=True).values[budget - 1])
+        kept = keep & (surv[torch.arange(batch), step] >= threshold)
+        self.pruned += int((num_drafts - step).clamp_min(0)[keep & ~kept].sum())  # never drafted: pruned
+        return kept
 
     def observe(self, features, predictions, accept_len, num_verify) -> None:
         """Feed verified outcomes back to the estimator: ``features [B, L]``, ``predictions [B, L]`` from

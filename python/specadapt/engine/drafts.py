@@ -74,6 +74,11 @@ class Draft:
 
     needs_target_hidden = False
 
+    #: Optional early stop of drafting, ``(step, probs [B, step+1, V], num [B]) -> keep [B] bool``: rows that
+    #: keep draft position ``step`` (see ``AdaptiveVerification.draft_filter``). Model drafts consult it after
+    #: each position; a row that drops a position stops there, and drafting ends when no row goes on.
+    draft_filter = None
+
     def target_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Features this draft takes from the target's ``hidden_states`` (only when ``needs_target_hidden``)."""
         raise NotImplementedError
@@ -97,6 +102,28 @@ class Draft:
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these rows (requests that finished are dropped)."""
+
+
+def apply_draft_filter(draft_filter, proposal: DraftProposal, step: int) -> bool:
+    """Apply ``draft_filter`` after position ``step`` was drafted: rows that drop it get ``num_tokens = step``.
+
+    Returns:
+        ``True`` when some row still drafts position ``step + 1`` (always ``True`` without a filter).
+    """
+    if draft_filter is None:
+        return True
+    num = proposal.num_tokens
+    keep = draft_filter(step, proposal.probs[:, : step + 1], num)
+    proposal.num_tokens = torch.where(keep | (num <= step), num, torch.full_like(num, step))
+    return bool((proposal.num_tokens > step + 1).any())
+
+
+def trim_proposal(proposal: DraftProposal) -> None:
+    """Drop trailing columns no row drafts (so the target's verify forward is no wider than needed)."""
+    width = int(proposal.num_tokens.max()) if proposal.num_tokens.numel() else 0
+    if width < proposal.tokens.shape[1]:
+        proposal.tokens = proposal.tokens[:, :width]
+        proposal.probs = proposal.probs[:, :width]
 
 
 def _empty_proposal(batch: int, length: int, vocab: int) -> DraftProposal:
@@ -210,9 +237,13 @@ class ModelDraft(Draft):
             token = torch.multinomial(q.cpu(), 1, generator=self.generator).squeeze(1)
             proposal.tokens[:, i] = token
             proposal.probs[:, i] = q.cpu()
+            if not apply_draft_filter(self.draft_filter, proposal, i):
+                break
             if i + 1 < length:
                 last = self.kv.forward(token[:, None], torch.ones(batch, dtype=torch.int64))[:, -1]
                 self._drafts_fed += 1
+        trim_proposal(proposal)
+        length = proposal.tokens.shape[1]
         live = torch.arange(length)[None, :] < proposal.num_tokens[:, None]
         proposal.tokens = torch.where(live, proposal.tokens, torch.zeros_like(proposal.tokens))
         return proposal

@@ -134,8 +134,13 @@ class EagleDraft(Draft):
             token = token[:, 0]
             proposal.tokens[:, i] = token
             proposal.probs[:, i].index_copy_(1, vocab, q)
+            if not apply_draft_filter(self.draft_filter, proposal, i):
+                break
             if i + 1 < length:
                 g, logits = self._step(token, g)
+        trim_proposal(proposal)
+        num = proposal.num_tokens
+        length = proposal.tokens.shape[1]
         live = torch.arange(length)[None, :] < num[:, None]
         proposal.tokens = torch.where(live, proposal.tokens, torch.zeros_like(proposal.tokens))
         proposal.probs = proposal.probs * live[:, :, None]
