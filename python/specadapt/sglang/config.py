@@ -218,8 +218,8 @@ def validate_for_server(config: PluginConfig, server_args: Any) -> None:
             raise PluginConfigError(
                 "--specadapt-verify gbv needs K independently sampled draft paths with their q rows; SGLang's EAGLE "
                 "draft graph builds a top-k beam tree instead, and the plugin's K-path sampled drafting hook is not "
-                "implemented in this version (the GBV kernel and its SGLang tree adapter are: "
-                "specadapt.sglang.gbv). Use --specadapt-verify block"
+                "implemented in this version (the GBV rule itself is, in the embedded engine: specadapt generate "
+                "--verify gbv). Use --specadapt-verify block"
             )
     if config.tts:
         if algo not in _TTS_ALGORITHMS:

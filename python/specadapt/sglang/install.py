@@ -20,12 +20,12 @@ from dataclasses import dataclass
 import torch
 
 from .config import PluginConfig
-from .verify import VerifyRuntime, chain_speculative_sampling, dflash_accept_block, get_runtime, set_runtime
+from .verify import VerifyRuntime, chain_speculative_sampling, dflash_accept_block, set_runtime
 
 logger = logging.getLogger("specadapt.sglang")
 
 __all__ = ["HOOK_TARGETS", "PluginState", "eagle_sample_around", "forward_batch_generation_around",
-           "get_state", "install_worker_hooks", "plan_targets"]
+           "get_state", "install_worker_hooks", "plan_targets", "request_finished_after", "reset_state"]
 
 CHAIN_SAMPLER = "sglang.kernels.ops.speculative.reject_sampling.chain_speculative_sampling_triton"
 DFLASH_ACCEPT = "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2._accept_block"
@@ -196,5 +196,3 @@ def reset_state() -> None:
     _STATE = None
     set_runtime(None)
 
-
-_ = get_runtime  # re-exported for the hooks' users

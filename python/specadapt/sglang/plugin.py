@@ -23,7 +23,7 @@ import logging
 from typing import Any
 
 from .config import PluginConfig, PluginConfigError, config_from_env, validate_for_server
-from .flags import add_arguments, config_from_namespace
+from .flags import FLAG_DESTS, add_arguments, config_from_namespace
 
 logger = logging.getLogger("specadapt.sglang")
 
@@ -100,9 +100,7 @@ def _after_add_cli_args(result, parser, *args, **kwargs):
 
 def _after_from_cli_args(result, *args, **kwargs):
     namespace = args[-1] if args else kwargs.get("args")
-    explicit = any(getattr(namespace, d, None) is not None for d in ("specadapt_config",)) or any(
-        getattr(namespace, d, None) is not None for d in _flag_dests()
-    )
+    explicit = any(getattr(namespace, d, None) is not None for d in ("specadapt_config", *FLAG_DESTS))
     config = config_from_namespace(namespace) if explicit else (config_from_env() or PluginConfig())
     validate_for_server(config, result)
     if config.enabled:
@@ -110,12 +108,6 @@ def _after_from_cli_args(result, *args, **kwargs):
         logger.info("specadapt: %s", _describe(config))
     setattr(result, SERVER_ARGS_ATTR, config.to_dict())
     return result
-
-
-def _flag_dests():
-    from .flags import FLAG_DESTS
-
-    return FLAG_DESTS
 
 
 def _describe(config: PluginConfig) -> str:

@@ -101,7 +101,6 @@ class Eagle3LlamaStudent:
         hot = getattr(draft_model, "hot_token_id", None)
         self.draft_vocab = None if hot is None else torch.as_tensor(hot).to(torch.int64).reshape(-1)
         self.inv_freq = _rope_inv_freq(config, self.head_dim)
-        self.embedding = None
         if "model.embed_tokens.weight" not in self._names:
             raise ValueError("TTS: the draft has no model.embed_tokens.weight (shared target embedding expected)")
 

@@ -175,18 +175,19 @@ class SGLangTTS:
             hist = self.history.setdefault(rid, collections.deque(maxlen=window + 1))
             feats = snap["features"][b]
             toks = snap["tokens"][b]
-            h_feats = [f for f, _ in hist]
-            h_toks = [t for _, t in hist]
-            first_valid = 0 if hist else 1
-            prev = h_feats[-1:] if hist else [torch.zeros_like(feats[0])]
-            # inputs: context tokens 1.. (each with its predecessor's feature), then the round's slots 0..L-1
-            in_tokens = torch.stack(h_toks[1:] + list(toks[: slots - 1])) if slots > 1 or len(h_toks) > 1 else toks[:0]
-            in_feats = torch.stack(h_feats[:-1] + prev + list(feats[: slots - 2])) if in_tokens.numel() else feats[:0]
-            self._pending.append(TTSExample(
-                features=in_feats, tokens=in_tokens, teacher=snap["teacher"][b, : slots - 1],
-                drafted=None if snap["drafted"] is None else snap["drafted"][b], accepted=tau,
-                first_valid=first_valid,
-            ))
+            if slots >= 2:  # a round with drafts: one example
+                # inputs: the context's tokens after its first (each with its predecessor's feature), then the
+                # round's slots 0..L-1; slot 0's predecessor is the newest context entry (zeros without context)
+                ctx_feats = [f for f, _ in hist]
+                ctx_toks = [t for _, t in hist]
+                prev = ctx_feats[-1] if hist else torch.zeros_like(feats[0])
+                in_tokens = torch.stack(ctx_toks[1:] + list(toks[: slots - 1]))
+                in_feats = torch.stack(ctx_feats[:-1] + [prev] + list(feats[: slots - 2]))
+                self._pending.append(TTSExample(
+                    features=in_feats, tokens=in_tokens, teacher=snap["teacher"][b, : slots - 1],
+                    drafted=None if snap["drafted"] is None else snap["drafted"][b], accepted=tau,
+                    first_valid=0 if hist else 1,
+                ))
             for j in range(tau + 1):  # committed slots: the last committed token and the accepted drafts
                 hist.append((feats[j], toks[j]))
         if accepted:

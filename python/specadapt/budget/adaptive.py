@@ -1,0 +1,138 @@
+"""Adaptive verification state: the online acceptance estimator and the per-request budget, round by round.
+
+Per round: features ``logit(q_max)`` of the draft's q rows -> predicted acceptance -> survival; the number of
+drafts each request verifies is its share of the global top-B* slots, with ``B*`` chosen from the PREVIOUS
+round's survivals (exactness, see :mod:`specadapt.budget.budget`); after verification the outcomes train the
+estimator. Used by the embedded engine (``specadapt.engine``) and the SGLang plugin (``specadapt.sglang``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..estimator import AcceptanceEstimator
+from ..estimator.features import feature_from_probs
+from .budget import allocate_prefixes, choose_budget, survival
+from .costs import CostTable
+
+__all__ = ["AdaptiveVerification"]
+
+
+@dataclass
+class AdaptiveVerification:
+    """State of adaptive verification for one engine.
+
+    Attributes:
+        estimator: the online acceptance estimator (K = the engine's L).
+        costs: target / draft cost table.
+        stale_budget: B* chosen from the previous round (``None`` before the first round: verify everything).
+        pruned, verified: counters of draft tokens pruned / verified so far.
+        prune: ``False`` runs the estimator without pruning (every draft verified), e.g. to log it at fixed L.
+        early_stop: let model drafts stop drafting rows whose next slot falls outside the budget
+            (:meth:`draft_filter`; ``--av-no-early-stop`` turns it off to measure its effect).
+        draft_log: an open text file receiving one JSON line per verified draft (see
+            :mod:`specadapt.estimator.evaluation`), or ``None``.
+    """
+
+    estimator: AcceptanceEstimator
+    costs: CostTable
+    stale_budget: int | None = None
+    pruned: int = 0
+    verified: int = 0
+    history: list = field(default_factory=list)
+    prune: bool = True
+    early_stop: bool = True  # stop drafting a row once its next slot cannot be verified (draft_filter)
+    draft_log: object = None  # an open text file: one JSON line per verified draft (--log-drafts)
+    rounds: int = 0
+    _plan_refits: int = 0
+
+    def plan(self, draft_probs: torch.Tensor, num_drafts: torch.Tensor):
+        """Decide how many drafts each request verifies.
+
+        Args:
+            draft_probs: ``[B, L, V]`` q rows of the proposal.
+            num_drafts: ``[B]`` drafts proposed.
+
+        Returns:
+            ``(num_verify [B] int64, features [B, L], predictions [B, L])``.
+        """
+        batch, width = draft_probs.shape[:2]
+        if width == 0:
+            empty = torch.zeros(batch, 0)
+            return num_drafts.clone(), empty, empty.double()
+        return self.plan_features(feature_from_probs(draft_probs), num_drafts)
+
+    def plan_features(self, features: torch.Tensor, num_drafts: torch.Tensor):
+        """:meth:`plan` from precomputed ``[B, L]`` features (CPU), e.g. computed where the q rows live."""
+        predictions = self.estimator.predict(features)
+        surv = survival(predictions, num_drafts)
+        self._plan_refits = self.estimator.refits
+        if self.stale_budget is None or not self.prune:
+            num_verify = num_drafts.clone()
+        else:
+            num_verify = torch.minimum(allocate_prefixes(surv, self.stale_budget), num_drafts)
+        self.stale_budget = choose_budget(surv, self.costs)
+        self.pruned += int((num_drafts - num_verify).sum())
+        self.verified += int(num_verify.sum())
+        return num_verify, features, predictions
+
+    def draft_filter(self, step: int, draft_probs: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
+        """Early stop of drafting: which rows keep draft position ``step`` (0-based).
+
+        Called by a model draft after it computed the q rows of position ``step`` for every row (before any
+        target work). A row drops position ``step`` and stops drafting when that slot's survival is strictly
+        below the ``B*``-th largest survival of the slots known so far: the final allocation ranks a superset of
+        those slots with the same stale ``B*`` (chosen in the previous round), so such a slot is never among
+        the verified ones, and neither is any later slot of its row (survival does not increase along a row).
+        The caps :meth:`plan` then computes are the ones full drafting would give; only draft work and the
+        target's forward width shrink. The decision for position ``step`` depends on q rows ``<= step``, i.e. on
+        the drafted tokens before ``step``, never on the token drawn at ``step`` (the exactness condition).
+
+        Args:
+            step: the position just drafted.
+            draft_probs: ``[B, step + 1, V]`` q rows of positions ``0..step``.
+            num_drafts: ``[B]`` int64 positions each row currently drafts (``> step`` = still drafting).
+
+        Returns:
+            ``[B]`` bool: rows that keep position ``step``.
+        """
+        batch = draft_probs.shape[0]
+        keep = num_drafts > step
+        if self.stale_budget is None or not self.prune or not bool(keep.any()):
+            return keep
+        features = feature_from_probs(draft_probs)
+        surv = survival(self.estimator.predict(features), torch.clamp(num_drafts, max=step + 1))  # [B, step+1]
+        known = torch.arange(step + 1)[None, :] < torch.clamp(num_drafts, max=step + 1)[:, None]
+        values = surv[known]
+        budget = self.stale_budget
+        if budget <= 0:
+            threshold = float("inf")  # nothing can be verified
+        elif values.numel() < budget:
+            return keep
+        else:
+            threshold = float(values.sort(descending=True).values[budget - 1])
+        kept = keep & (surv[torch.arange(batch), step] >= threshold)
+        self.pruned += int((num_drafts - step).clamp_min(0)[keep & ~kept].sum())  # never drafted: pruned
+        return kept
+
+    def observe(self, features, predictions, accept_len, num_verify) -> None:
+        """Feed verified outcomes back to the estimator: ``features [B, L]``, ``predictions [B, L]`` from
+        :meth:`plan`, ``accept_len [B]`` (tau) and ``num_verify [B]`` (drafts verified) int64."""
+        self.rounds += 1
+        if features.shape[1] > 0:
+            if self.draft_log is not None:
+                self._log(features, predictions, accept_len, num_verify)
+            self.estimator.observe(features, predictions, accept_len, num_verify)
+
+    def _log(self, features, predictions, accept_len, num_verify) -> None:
+        """One JSON line per verified draft up to and including the first rejection (the estimator's labels)."""
+        import json
+
+        for b in range(features.shape[0]):
+            tau, n = int(accept_len[b]), int(num_verify[b])
+            for k in range(min(tau + 1, n)):
+                record = {"round": self.rounds, "row": b, "position": k + 1, "feature": float(features[b, k]),
+                          "prediction": float(predictions[b, k]), "label": int(k < tau), "refits": self._plan_refits}
+                self.draft_log.write(json.dumps(record) + "\n")
