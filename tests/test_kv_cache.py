@@ -92,3 +92,21 @@ def test_appends_write_into_spare_capacity_and_adopt_replaced_tensors():
     kv.forward(torch.randint(32, (2, 1)), torch.tensor([1, 1]))
     assert torch.equal(layer.keys[:, :, : before.shape[2]], before)  # adopted with its contents
     assert layer.keys.data_ptr() == layer._kbuf.data_ptr()
+
+
+def test_fast_append_matches_the_concatenating_cache():
+    """Preallocated appends + grouped-query SDPA give the logits of transformers' own DynamicCache path."""
+    torch.manual_seed(1)
+    model = tiny_llama(vocab=32, layers=2)
+    chunks = [(torch.randint(32, (2, 7)), torch.tensor([7, 5])), (torch.randint(32, (2, 3)), torch.tensor([3, 2])),
+              (torch.randint(32, (2, 4)), torch.tensor([1, 4]))]
+    outs = {}
+    for fast in (False, True):
+        kv = RaggedKVCache(model, 2, fast_append=fast)
+        outs[fast] = []
+        for i, (ids, n) in enumerate(chunks):
+            outs[fast].append(kv.forward(ids, n))
+            if i == 1:
+                kv.truncate(kv.lengths - torch.tensor([2, 1]))
+    for slow, fast in zip(outs[False], outs[True]):
+        assert torch.allclose(slow, fast, atol=1e-5, rtol=1e-5)

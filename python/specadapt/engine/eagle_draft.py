@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..sampling import SamplingParams, logits_to_probs
-from .drafts import Draft, DraftProposal, _empty_proposal, _pad
+from .drafts import Draft, DraftProposal, _empty_proposal, _pad, apply_draft_filter, trim_proposal
 from .eagle import EagleHead
 from .kv import RaggedKVCache
 

@@ -108,6 +108,8 @@ class RaggedKVCache:
         batch_size: number of rows.
         compact_min_waste: compaction runs when the physical length exceeds the longest row by more than
             ``max(compact_min_waste, compact_fraction * longest)`` slots.
+        fast_append: append into preallocated capacity and use grouped-query SDPA on CPU (default); ``False``
+            keeps transformers' concatenating ``DynamicCache`` as is (the baseline of scripts/bench_kv_context.py).
     """
 
     def __init__(
@@ -116,6 +118,7 @@ class RaggedKVCache:
         batch_size: int,
         compact_min_waste: int = 64,
         compact_fraction: float = 0.25,
+        fast_append: bool = True,
     ) -> None:
         from transformers import DynamicCache  # adapters may import transformers; techniques may not
 
@@ -125,12 +128,13 @@ class RaggedKVCache:
         self.cache = DynamicCache(config=model.config)
         from transformers.cache_utils import DynamicLayer
 
-        layer_class = _preallocated_layer_class()
-        self.cache.layers = [layer_class() if type(layer) is DynamicLayer else layer for layer in self.cache.layers]
+        if fast_append:
+            layer_class = _preallocated_layer_class()
+            self.cache.layers = [layer_class() if type(layer) is DynamicLayer else layer for layer in self.cache.layers]
         # On CPU, grouped-query attention with an explicit mask otherwise repeats K/V to every query head at every
         # forward (another O(T) copy); torch's CPU SDPA takes GQA directly. (On CUDA that switch would select the
         # math kernel, so it is left alone there.)
-        self._force_gqa = self.device.type == "cpu"
+        self._force_gqa = fast_append and self.device.type == "cpu"
         self._cache_name = _cache_kwarg(model)
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device)  # [B, T_phys]
         self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=self.device)  # [B]
