@@ -337,18 +337,24 @@ def chat_request(client: HttpClient, args, prompt) -> dict:
     if completion is None:
         raise BenchError(f"POST {url}: the response has no usage.completion_tokens, so output lengths are unknown")
     spec = spec_fields(choice.get("meta_info"), resp.get("meta_info"), usage)
-    acceptance, source = acceptance_from(completion, spec)
     message = choice.get("message") or {}
+    return _record(usage.get("prompt_tokens"), completion, spec, choice.get("finish_reason"),
+                   message.get("content") if isinstance(message, dict) else None)
+
+
+def _record(prompt_tokens, completion: int, spec: dict, finish_reason, text) -> dict:
+    """The per-request record shared by both APIs (latency is added by the caller)."""
+    acceptance, source = acceptance_from(completion, spec)
     return {
-        "prompt_tokens": _int_or_none(usage.get("prompt_tokens")),
+        "prompt_tokens": _int_or_none(prompt_tokens),
         "output_tokens": completion,
         "acceptance_length": acceptance,
         "acceptance_source": source,
         "spec_verify_ct": _int_or_none(spec.get("spec_verify_ct")),
         "server_accept_length": spec.get("spec_accept_length"),
         "spec_accept_histogram": spec.get("spec_accept_histogram"),
-        "finish_reason": _finish_reason(choice.get("finish_reason")),
-        "text": message.get("content") if isinstance(message, dict) else None,
+        "finish_reason": _finish_reason(finish_reason),
+        "text": text,
     }
 
 
@@ -371,19 +377,7 @@ def generate_request(client: HttpClient, args, prompt, text: str) -> dict:
     completion = _int_or_none(meta.get("completion_tokens"))
     if completion is None:
         raise BenchError(f"POST {url}: meta_info has no completion_tokens, so output lengths are unknown")
-    spec = spec_fields(meta)
-    acceptance, source = acceptance_from(completion, spec)
-    return {
-        "prompt_tokens": _int_or_none(meta.get("prompt_tokens")),
-        "output_tokens": completion,
-        "acceptance_length": acceptance,
-        "acceptance_source": source,
-        "spec_verify_ct": _int_or_none(spec.get("spec_verify_ct")),
-        "server_accept_length": spec.get("spec_accept_length"),
-        "spec_accept_histogram": spec.get("spec_accept_histogram"),
-        "finish_reason": _finish_reason(meta.get("finish_reason")),
-        "text": resp.get("text"),
-    }
+    return _record(meta.get("prompt_tokens"), completion, spec_fields(meta), meta.get("finish_reason"), resp.get("text"))
 
 
 def parse_prometheus(text: str, prefix: str = "sglang:spec_") -> dict:
@@ -610,11 +604,8 @@ def run_embedded(args, prompts) -> tuple[list[dict], float, dict, list[dict], fl
     from specadapt.cli import build_parser as specadapt_parser
     from specadapt.cli import generate as gen
     from specadapt.cli.common import UsageError
-    from specadapt.engine import (
-        ModelLoadError, NoDraft, SpeculativeEngine, VocabularyMismatchError, build_draft, load_model,
-    )
+    from specadapt.engine import NoDraft, SpeculativeEngine
     from specadapt.engine.metrics import acceptance_by_position, acceptance_length
-    from specadapt.engine.models import parse_dtype
     from specadapt.sampling import SamplingParams
 
     parser = specadapt_parser()
@@ -634,16 +625,7 @@ def run_embedded(args, prompts) -> tuple[list[dict], float, dict, list[dict], fl
     if g.device.startswith("cuda") and not torch.cuda.is_available():
         raise ArgumentError(f"--device {g.device}: CUDA is not available on this machine")
     sampling = SamplingParams(g.temperature, g.top_p, g.top_k)
-    dtype = parse_dtype(g.dtype)
-    try:
-        target = load_model(g.model, dtype=dtype, device=g.device)
-    except ModelLoadError as exc:
-        raise ArgumentError(f"--model: {exc}") from None
-    try:
-        draft = build_draft(g.draft, target, sampling, g.seed, dtype=dtype, device=g.device)
-    except (ModelLoadError, VocabularyMismatchError, ValueError, FileNotFoundError) as exc:
-        message = str(exc)
-        raise ArgumentError(message if message.startswith("--draft") else f"--draft: {message}") from None
+    target, draft = gen.load_target_and_draft(g.model, g.draft, sampling, g.seed, g.dtype, g.device, error=ArgumentError)
 
     token_ids = [gen._tokenize(target.tokenizer, p.text) for p in prompts]
     context = target.context_length or 10**9
@@ -765,12 +747,9 @@ def summarize(records: list[dict], wall: float, by_position: list[dict] | None =
     }
 
 
-def _fmt(value, spec=".2f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def print_report(report: dict) -> None:
     """A table per request and the summary, to stdout."""
+    from specadapt.cli.report import fmt_value as _fmt
     header = f"{'id':<16} {'output':>7} {'latency s':>10} {'tok/s':>8} {'acc.len':>8} {'finish':>8}"
     print()
     print(header)

@@ -174,6 +174,34 @@ def _validate(args) -> list[int]:
     return edges
 
 
+def load_target_and_draft(model: str, draft: str, sampling, seed: int, dtype: str, device: str,
+                          error: type[Exception] = UsageError):
+    """Load the target and build the draft as ``specadapt generate`` does.
+
+    Args:
+        model, draft: ``--model`` / ``--draft`` values; sampling: the run's ``SamplingParams``; dtype: ``float32`` or
+            ``bfloat16``; device: ``cpu`` / ``cuda``.
+        error: exception class raised for a bad model or draft (its message names the flag).
+
+    Returns:
+        ``(LoadedModel, Draft)``.
+    """
+    from ..engine import ModelLoadError, VocabularyMismatchError, build_draft, load_model
+    from ..engine.models import parse_dtype
+
+    torch_dtype = parse_dtype(dtype)
+    try:
+        target = load_model(model, dtype=torch_dtype, device=device)
+    except ModelLoadError as exc:
+        raise error(f"--model: {exc}") from None
+    try:
+        built = build_draft(draft, target, sampling, seed, dtype=torch_dtype, device=device)
+    except (ModelLoadError, VocabularyMismatchError, ValueError, FileNotFoundError) as exc:
+        message = str(exc)
+        raise error(message if message.startswith("--draft") else f"--draft: {message}") from None
+    return target, built
+
+
 def _tokenize(tokenizer, text: str) -> list[int]:
     if getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template(
@@ -188,8 +216,7 @@ def run(args) -> int:
     import torch
 
     from ..datasets import DatasetError, load_prompts
-    from ..engine import ModelLoadError, NoDraft, SpeculativeEngine, VocabularyMismatchError, build_draft, load_model
-    from ..engine.models import parse_dtype
+    from ..engine import NoDraft, SpeculativeEngine
     from ..sampling import SamplingParams
     from .report import build_report, print_report, write_json
 
@@ -206,16 +233,7 @@ def run(args) -> int:
     except DatasetError as exc:
         raise UsageError(f"--dataset: {exc}") from None
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
-    dtype = parse_dtype(args.dtype)
-    try:
-        target = load_model(args.model, dtype=dtype, device=args.device)
-    except ModelLoadError as exc:
-        raise UsageError(f"--model: {exc}") from None
-    try:
-        draft = build_draft(args.draft, target, sampling, args.seed, dtype=dtype, device=args.device)
-    except (ModelLoadError, VocabularyMismatchError, ValueError, FileNotFoundError) as exc:
-        message = str(exc)
-        raise UsageError(message if message.startswith("--draft") else f"--draft: {message}") from None
+    target, draft = load_target_and_draft(args.model, args.draft, sampling, args.seed, args.dtype, args.device)
 
     token_ids = [_tokenize(target.tokenizer, p.text) for p in prompts]
     context = target.context_length or 10**9

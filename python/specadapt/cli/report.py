@@ -86,8 +86,12 @@ def _short(text: str, width: int = 16) -> str:
     return text if len(text) <= width else "…" + text[-(width - 1):]
 
 
-def _fmt(value, spec=".2f") -> str:
+def fmt_value(value, spec=".2f") -> str:
+    """``value`` formatted with ``spec``, or ``-`` for ``None`` (table cells)."""
     return "-" if value is None else format(value, spec)
+
+
+_fmt = fmt_value
 
 
 def print_report(report: dict) -> None:
