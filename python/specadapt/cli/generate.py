@@ -158,9 +158,8 @@ def _validate(args) -> list[int]:
             raise UsageError("--tts needs a model draft (--draft eagle, self:N or a model path): ngram has no weights")
         try:
             _tts_config(args)
-        except ValueError as exc:
-            head, _, tail = str(exc).partition(" must")  # "tts stride must be >= 1" -> "--tts-stride must be >= 1"
-            raise UsageError(f"--{head.replace(' ', '-')} must{tail}") from None
+        except ValueError as exc:  # TTSConfig's messages name the flag
+            raise UsageError(str(exc)) from None
     if args.limit < 0:
         raise UsageError(f"--limit must be >= 0, got {args.limit}")
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):

@@ -99,18 +99,14 @@ class PluginConfig:
              f"is the number of GBV paths; it needs --specadapt-verify gbv (got {self.verify!r} with {self.num_paths} paths)"),
             (self.av_refit_interval >= 1, "--av-refit-interval", f"must be >= 1, got {self.av_refit_interval}"),
             (self.av_damping >= 0, "--av-damping", f"must be >= 0, got {self.av_damping}"),
-            (self.tts_stride >= 1, "--tts-stride", f"must be >= 1, got {self.tts_stride}"),
-            (self.tts_lr > 0, "--tts-lr", f"must be > 0, got {self.tts_lr}"),
-            (self.tts_lambda >= 0, "--tts-lambda", f"must be >= 0, got {self.tts_lambda}"),
-            (0 < self.tts_position_decay <= 1, "--tts-position-decay", f"must lie in (0, 1], got {self.tts_position_decay}"),
-            (self.tts_params in ("full", "lora"), "--tts-params", f"must be full or lora, got {self.tts_params!r}"),
-            (self.tts_lora_rank >= 1, "--tts-lora-rank", f"must be >= 1, got {self.tts_lora_rank}"),
-            (0 <= self.tts_rollback_margin <= 1, "--tts-rollback-margin", f"must lie in [0, 1], got {self.tts_rollback_margin}"),
-            (self.tts_context_window >= 1, "--tts-context-window", f"must be >= 1, got {self.tts_context_window}"),
         ]
         for ok, flag, message in checks:
             if not ok:
                 raise PluginConfigError(f"{flag} {message}")
+        try:
+            self.tts_config()  # the tts_* ranges are TTSConfig's (its messages name the flags)
+        except ValueError as exc:
+            raise PluginConfigError(str(exc)) from None
         if self.av_cost_table is not None and not Path(self.av_cost_table).is_file():
             raise PluginConfigError(f"--av-cost-table {self.av_cost_table!r}: no such file")
 
@@ -128,6 +124,18 @@ class PluginConfig:
     def rule(self) -> str:
         """The single-path rule used by the replaced sampler (``builtin`` + adaptive verification = chain)."""
         return "chain" if self.verify == "builtin" else self.verify
+
+    def tts_config(self):
+        """The :class:`specadapt.tts.config.TTSConfig` of the ``tts_*`` settings.
+
+        Raises:
+            ValueError: a ``tts_*`` value out of range (the message names the flag).
+        """
+        from ..tts.config import TTSConfig
+
+        return TTSConfig(stride=self.tts_stride, lr=self.tts_lr, proximal_weight=self.tts_lambda,
+                         position_decay=self.tts_position_decay, params=self.tts_params, lora_rank=self.tts_lora_rank,
+                         rollback_margin=self.tts_rollback_margin, context_window=self.tts_context_window)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-serialisable), the form carried on ``ServerArgs._specadapt``."""

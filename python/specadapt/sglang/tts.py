@@ -29,13 +29,13 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from ..tts import TTSConfig, TTSUpdater
+from ..tts import TTSUpdater
 from ..tts.loss import position_weights, supervised_counts, tts_loss
 from .config import PluginConfig
 
 logger = logging.getLogger("specadapt.sglang")
 
-__all__ = ["SGLangTTS", "Student", "TTSExample", "tts_config_from_plugin"]
+__all__ = ["SGLangTTS", "Student", "TTSExample"]
 
 
 class Student(Protocol):
@@ -88,14 +88,6 @@ class TTSExample:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def tts_config_from_plugin(config: PluginConfig) -> TTSConfig:
-    """The :class:`specadapt.tts.TTSConfig` of the plugin's ``tts_*`` settings."""
-    return TTSConfig(stride=config.tts_stride, lr=config.tts_lr, proximal_weight=config.tts_lambda,
-                     position_decay=config.tts_position_decay, params=config.tts_params,
-                     lora_rank=config.tts_lora_rank, rollback_margin=config.tts_rollback_margin,
-                     context_window=config.tts_context_window)
-
-
 class SGLangTTS:
     """TTS state of one scheduler process.
 
@@ -110,7 +102,7 @@ class SGLangTTS:
 
     def __init__(self, student: Student, config: PluginConfig, asynchronous: bool = True) -> None:
         self.student = student
-        self.config = tts_config_from_plugin(config)
+        self.config = config.tts_config()
         self.updater = TTSUpdater(student.module, student.trainable, self._loss, self.config,
                                   on_publish=student.refresh, asynchronous=asynchronous,
                                   example_bytes=lambda ex: ex.nbytes())

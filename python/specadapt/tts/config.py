@@ -52,22 +52,22 @@ class TTSConfig:
 
     def __post_init__(self) -> None:
         checks = [
-            (self.stride >= 1, f"tts stride must be >= 1, got {self.stride}"),
-            (self.lr > 0, f"tts lr must be > 0, got {self.lr}"),
-            (self.proximal_weight >= 0, f"tts lambda must be >= 0, got {self.proximal_weight}"),
-            (0 < self.position_decay <= 1, f"tts position decay must lie in (0, 1], got {self.position_decay}"),
-            (self.params in ("full", "lora"), f"tts params must be full or lora, got {self.params!r}"),
-            (self.lora_rank >= 1, f"tts lora rank must be >= 1, got {self.lora_rank}"),
-            (self.scope in ("shared", "request"), f"tts scope must be shared or request, got {self.scope!r}"),
+            (self.stride >= 1, f"--tts-stride must be >= 1, got {self.stride}"),
+            (self.lr > 0, f"--tts-lr must be > 0, got {self.lr}"),
+            (self.proximal_weight >= 0, f"--tts-lambda must be >= 0, got {self.proximal_weight}"),
+            (0 < self.position_decay <= 1, f"--tts-position-decay must lie in (0, 1], got {self.position_decay}"),
+            (self.params in ("full", "lora"), f"--tts-params must be full or lora, got {self.params!r}"),
+            (self.lora_rank >= 1, f"--tts-lora-rank must be >= 1, got {self.lora_rank}"),
+            (self.scope in ("shared", "request"), f"--tts-scope must be shared or request, got {self.scope!r}"),
             (self.scope == "shared" or self.params == "lora",
-             "tts scope request must come with --tts-params lora (per-request low-rank adapters)"),
-            (self.supervise in ("accepted", "canvas"), f"tts supervise must be accepted or canvas, got {self.supervise!r}"),
-            (self.rounds in ("all", "latest"), f"tts rounds must be all or latest, got {self.rounds!r}"),
-            (self.grad_clip > 0, f"tts grad clip must be > 0, got {self.grad_clip}"),
-            (0 < self.rollback_margin <= 1, f"tts rollback margin must lie in (0, 1], got {self.rollback_margin}"),
-            (self.rollback_window >= 1, f"tts rollback window must be >= 1, got {self.rollback_window}"),
-            (self.context_window >= 1, f"tts context window must be >= 1, got {self.context_window}"),
+             "--tts-scope request must come with --tts-params lora (per-request low-rank adapters)"),
+            (self.supervise in ("accepted", "canvas"), f"--tts-supervise must be accepted or canvas, got {self.supervise!r}"),
+            (self.rounds in ("all", "latest"), f"--tts-rounds must be all or latest, got {self.rounds!r}"),
+            (self.grad_clip > 0, f"TTS grad_clip must be > 0, got {self.grad_clip}"),
+            (0 < self.rollback_margin <= 1, f"--tts-rollback-margin must lie in (0, 1], got {self.rollback_margin}"),
+            (self.rollback_window >= 1, f"TTS rollback_window must be >= 1, got {self.rollback_window}"),
+            (self.context_window >= 1, f"--tts-context-window must be >= 1, got {self.context_window}"),
         ]
-        for ok, message in checks:
+        for ok, message in checks:  # messages name the CLI flag of each setting (shared by every front end)
             if not ok:
                 raise ValueError(message)
