@@ -2,7 +2,10 @@
 
 For each case (op, B, L, V, K) it reports the median time of the fused kernel, the achieved bandwidth (p and q
 read once, outputs written once, divided by the time), that bandwidth as a fraction of the device's copy
-bandwidth measured in the same run, and the speedup over the reference on the same inputs.
+bandwidth measured in the same run, and the speedup over the reference on the same inputs. On CUDA it also times
+the external baselines of :mod:`specadapt.bench.baselines` that are importable (flashinfer's chain kernel,
+SGLang's Triton chain / block kernel) on the same inputs: ``case["baselines"][name] = {"median_ms", "speedup"}``
+with ``speedup = baseline_ms / our_ms``.
 
 Used by ``specadapt bench-kernels`` and ``scripts/bench_kernels.py``.
 """
@@ -18,6 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .. import kernels
+from . import baselines as baselines_mod
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +52,15 @@ class CaseResult:
     bandwidth_fraction: float
     speedup_vs_reference: float | None
     reference_ms: float | None
+    # {name: {"median_ms", "speedup"}} (plus "error" when the call failed); None: no baseline for this case
+    baselines: dict | None = None
+
+    def record(self) -> dict:
+        """The JSON case: every field, ``baselines`` only when some baseline was timed."""
+        out = asdict(self)
+        if not out["baselines"]:
+            out.pop("baselines")
+        return out
 
 
 def _full_sweep() -> list[Case]:
@@ -132,9 +145,29 @@ def _time(fn, device, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def _time_baselines(case: Case, args, device: torch.device, fused_ms: float, loaded: dict, repeats: int) -> dict:
+    """Time each loaded baseline that compares with ``case.op`` on ``args``; a failing call is recorded, not raised."""
+    out = {}
+    for name, base in loaded.items():
+        if case.op not in base.baseline.ops:
+            continue
+        try:
+            ms = _time(base.prepare(case.op, args), device, repeats)
+        except Exception as exc:  # noqa: BLE001 - one broken baseline must not lose the whole benchmark
+            logger.warning("baseline %s failed on %s: %s: %s", name, case, type(exc).__name__, exc)
+            out[name] = {"median_ms": None, "speedup": None, "error": f"{type(exc).__name__}: {exc}"}
+            continue
+        out[name] = {"median_ms": ms, "speedup": ms / fused_ms}
+    return out
+
+
 def run_case(case: Case, device: torch.device, copy_gbps: float, repeats: int = 10,
-             reference_repeats: int = 1, with_reference: bool = True) -> CaseResult:
-    """Time one case; the reference is timed ``reference_repeats`` times (it is slow) unless disabled."""
+             reference_repeats: int = 1, with_reference: bool = True, baselines: dict | None = None) -> CaseResult:
+    """Time one case; the reference is timed ``reference_repeats`` times (it is slow) unless disabled.
+
+    ``baselines``: ``{name: LoadedBaseline}`` (from :func:`specadapt.bench.baselines.resolve`), each timed
+    ``repeats`` times on the same inputs when it compares with ``case.op``.
+    """
     args = make_inputs(case, device)
     fused_ms = _time(lambda: _call(case, "compiled", args), device, repeats)
     elt = args[1].element_size()
@@ -146,12 +179,16 @@ def run_case(case: Case, device: torch.device, copy_gbps: float, repeats: int = 
         op=case.op, device=device.type, B=case.B, L=case.L, V=case.V, K=case.K, median_ms=fused_ms, gbps=gbps,
         bandwidth_fraction=gbps / copy_gbps, speedup_vs_reference=(ref_ms / fused_ms) if ref_ms else None,
         reference_ms=ref_ms,
+        baselines=_time_baselines(case, args, device, fused_ms, baselines, repeats) if baselines else None,
     )
 
 
 def run_benchmark(cases: list[Case], device: torch.device, repeats: int = 10, reference_repeats: int = 1,
-                  with_reference: bool = True, progress: bool = True) -> dict:
-    """Run ``cases`` and return ``{"copy_bandwidth_gbps", "cases": [...], "device", "torch"}``.
+                  with_reference: bool = True, progress: bool = True, with_baselines: bool = True) -> dict:
+    """Run ``cases`` and return ``{"copy_bandwidth_gbps", "cases": [...], "device", "torch", "baseline_status"}``.
+
+    ``baseline_status`` is ``{"line", "found": {name: version}, "skipped": {name: reason}}``; the baselines
+    found (CUDA only, when importable) are timed per case (``case["baselines"]``).
 
     Raises:
         ValueError: no compiled kernel for ``device``.
@@ -160,17 +197,29 @@ def run_benchmark(cases: list[Case], device: torch.device, repeats: int = 10, re
         raise ValueError(f"no compiled verification kernels for {device.type}: build specadapt._C for it")
     from tqdm import tqdm
 
+    if with_baselines:
+        loaded, skipped = baselines_mod.resolve(device)
+    else:
+        loaded, skipped = {}, {name: "disabled (--no-baselines)" for name in baselines_mod.BASELINES}
+    line = baselines_mod.status_line(loaded, skipped)
+    logger.info("%s", line)
     copy_gbps = copy_bandwidth_gbps(device)
     results = []
     for case in tqdm(cases, desc="bench-kernels", disable=not progress):
         if case.op == "gbv" and not kernels.has_op_for("gbv_verify", device):
             logger.warning("skipping %s: no compiled gbv_verify for %s", case, device.type)
             continue
-        results.append(asdict(run_case(case, device, copy_gbps, repeats, reference_repeats, with_reference)))
+        results.append(run_case(case, device, copy_gbps, repeats, reference_repeats, with_reference,
+                                baselines=loaded).record())
     return {
         "copy_bandwidth_gbps": copy_gbps,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cases": results,
+        "baseline_status": {
+            "line": line,
+            "found": {name: b.version for name, b in loaded.items()},
+            "skipped": skipped,
+        },
     }

@@ -2,7 +2,10 @@
 
 Prints one row per case (median ms, GB/s, fraction of the copy bandwidth measured in the same run, speedup over
 the reference) and optionally writes JSON ``{"copy_bandwidth_gbps", "cases": [{"op", "device", "B", "L", "V",
-"K", "median_ms", "gbps", "bandwidth_fraction", "speedup_vs_reference"}]}``.
+"K", "median_ms", "gbps", "bandwidth_fraction", "speedup_vs_reference"}]}``. On ``--device cuda`` it also times the
+external baselines that are importable (flashinfer's chain kernel against ``chain``, SGLang's Triton kernel
+against ``chain`` and ``block``) and adds ``"baselines": {name: {"median_ms", "speedup"}}`` to those cases
+(speedup = baseline ms / our ms); ``baseline_status`` says which were found and why the others were skipped.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=10, help="timed repeats of the fused kernel per case")
     p.add_argument("--reference-repeats", type=int, default=1, help="timed repeats of the slow reference")
     p.add_argument("--no-reference", action="store_true", help="skip timing the reference")
+    p.add_argument("--no-baselines", action="store_true",
+                   help="do not time flashinfer / SGLang baselines (CUDA only, when importable)")
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(run=run)
@@ -50,18 +55,31 @@ def run(args) -> int:
     cases = [c for c in (QUICK_CASES if args.quick else FULL_SWEEP) if c.op in ops]
     try:
         report = run_benchmark(cases, torch.device(args.device), args.repeats, args.reference_repeats,
-                               not args.no_reference, progress=not args.no_progress)
+                               not args.no_reference, progress=not args.no_progress,
+                               with_baselines=not args.no_baselines)
     except ValueError as exc:
         raise UsageError(f"--device: {exc}") from None
     print(f"copy bandwidth {report['copy_bandwidth_gbps']:.1f} GB/s on {report['device']} "
           f"({report['threads']} threads)")
-    print(f"{'op':>6} {'B':>4} {'L':>3} {'V':>7} {'K':>2} {'ms':>9} {'GB/s':>7} {'of copy':>8} {'vs ref':>8}")
+    print(report["baseline_status"]["line"])
+    print(f"{'op':>6} {'B':>4} {'L':>3} {'V':>7} {'K':>2} {'ms':>9} {'GB/s':>7} {'of copy':>8} {'vs ref':>8}"
+          "  baselines (their ms / our ms)")
     for c in report["cases"]:
         speed = "-" if c["speedup_vs_reference"] is None else f"{c['speedup_vs_reference']:.1f}x"
         print(f"{c['op']:>6} {c['B']:>4} {c['L']:>3} {c['V']:>7} {c['K']:>2} {c['median_ms']:>9.3f} "
-              f"{c['gbps']:>7.1f} {c['bandwidth_fraction']:>8.0%} {speed:>8}")
+              f"{c['gbps']:>7.1f} {c['bandwidth_fraction']:>8.0%} {speed:>8}  {_baseline_cell(c)}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
+
+
+def _baseline_cell(case: dict) -> str:
+    parts = []
+    for name, b in case.get("baselines", {}).items():
+        if b.get("speedup") is None:
+            parts.append(f"{name} failed")
+        else:
+            parts.append(f"{name} {b['median_ms']:.3f} ms = {b['speedup']:.2f}x")
+    return ", ".join(parts) or "-"
