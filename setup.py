@@ -9,6 +9,7 @@ import glob
 import os
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 try:
     import torch
@@ -52,6 +53,10 @@ def _extension():
     # No -std flag: BuildExtension picks the standard the installed torch needs (C++17 for 2.13, C++20 for 2.14).
     cxx_flags = ["-O3", "-fopenmp", "-fno-trapping-math", "-fno-signed-zeros"]
     if _want_cuda():
+        if "TORCH_CUDA_ARCH_LIST" not in os.environ and not torch.cuda.is_available():
+            # No GPU to detect the architecture from (a build machine): Ampere and Hopper, plus PTX for newer GPUs.
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0+PTX"
+            print("specadapt: no GPU visible, building the CUDA kernels for TORCH_CUDA_ARCH_LIST=8.0;9.0+PTX")
         sources += sorted(glob.glob("csrc/cuda/*.cu"))
         sources = [s for s in sources if not s.endswith("compile_check.cu")]
         return CUDAExtension(
@@ -72,11 +77,23 @@ def _extension():
     )
 
 
+class BuildPyWithCudaHeaders(build_py):
+    """Ship the torch-free CUDA headers (csrc/cuda/*.cuh) inside the package as specadapt/cuda_headers, where the
+    CuPy JIT path (specadapt.cuda_jit) finds them in non-editable installs."""
+
+    def run(self):
+        super().run()
+        dest = os.path.join(self.build_lib, "specadapt", "cuda_headers")
+        self.mkpath(dest)
+        for header in sorted(glob.glob(os.path.join(HERE, "csrc", "cuda", "*.cuh"))):
+            self.copy_file(header, os.path.join(dest, os.path.basename(header)))
+
+
 setup(
     packages=find_packages("python"),
     package_dir={"": "python"},
     package_data={"specadapt": ["data/*.jsonl", "data/*.md", "data/*.safetensors"]},
     ext_modules=[_extension()],
-    cmdclass={"build_ext": BuildExtension},
+    cmdclass={"build_ext": BuildExtension, "build_py": BuildPyWithCudaHeaders},
     options={"bdist_wheel": {"py_limited_api": "cp311"}},
 )

@@ -147,3 +147,33 @@ def sample_path_batch(tables, L, K, rounds, seed):
     Q = np.stack([tables.path_rows((), p)[1].numpy() for p in paths]).astype(np.float32)
     cand = np.concatenate([np.zeros((len(paths), 1), dtype=np.int64), np.array(paths)], axis=1)
     return torch.from_numpy(cand[idx]), torch.from_numpy(P[idx]), torch.from_numpy(Q[idx])
+
+
+def chi_square_pvalue(outputs, accept, exact: dict, rounds: int) -> float:
+    """Pearson chi-square of the emitted (accepted drafts + extra token) tuples against their exact law, cells
+    with expected count < 5 pooled; p-value from the regularised upper incomplete gamma (no scipy here)."""
+    counts: dict[tuple, int] = {}
+    for row, tau in zip(outputs.tolist(), accept.tolist()):
+        key = tuple(row[: tau + 1])
+        counts[key] = counts.get(key, 0) + 1
+    assert set(counts) <= set(exact), "an outcome of zero probability was emitted"
+    keys = sorted(exact)
+    observed = np.array([counts.get(k, 0) for k in keys], dtype=np.float64)
+    expected = np.array([exact[k] for k in keys]) * rounds
+    small = expected < 5
+    obs = np.append(observed[~small], observed[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    exp = exp * obs.sum() / exp.sum()
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    dof = len(obs) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+class Float32Tables(RandomTables):
+    """The exact law of the float32-rounded rows the kernel sees."""
+
+    def _row(self, u, which):
+        return RandomTables._row(self, u, which).astype(np.float32).astype(np.float64)

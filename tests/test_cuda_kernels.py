@@ -5,12 +5,16 @@ Run by scripts/device_check.sh. Needs only torch and the built extension (no tra
 
 import pytest
 import torch
+from batches import tree_batch
+from exact_law import Float32Tables, chi_square_pvalue, gbv_outcomes, sample_path_batch
 
-from specadapt import kernels
+from specadapt import cuda_jit, kernels
 from specadapt.verification import VERIFY_RULES
 
 CUDA_OPS = torch.cuda.is_available() and kernels.has_op_for("block_verify", torch.device("cuda"))
-pytestmark = pytest.mark.skipif(not CUDA_OPS, reason="needs a CUDA device and specadapt._C built with CUDA")
+needs_compiled = pytest.mark.skipif(not CUDA_OPS, reason="needs a CUDA device and specadapt._C built with CUDA")
+JIT = torch.cuda.is_available() and cuda_jit.available()
+needs_jit = pytest.mark.skipif(not JIT, reason=f"needs a CUDA device and CuPy ({cuda_jit.unavailable_reason()})")
 
 
 def _batch(B, L, V, seed, dtype):
@@ -25,6 +29,7 @@ def _batch(B, L, V, seed, dtype):
     return cand, p, q, torch.rand(B, L, generator=g, dtype=torch.float64), torch.rand(B, generator=g, dtype=torch.float64)
 
 
+@needs_compiled
 @pytest.mark.parametrize("rule", ["chain", "block"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B,L,V", [(1, 1, 2), (33, 4, 1000), (64, 8, 49152), (8, 16, 151936), (5, 3, 1001)])
@@ -39,6 +44,7 @@ def test_cuda_equals_reference(rule, dtype, B, L, V):
         assert torch.equal(got.output_tokens.cpu(), ref.output_tokens)
 
 
+@needs_compiled
 @pytest.mark.parametrize("rule", ["chain", "block"])
 def test_cuda_chi_square_1e6(rule):
     """Output law of one round (V = 4, L = 2, context-free p and q) against its exact value."""
@@ -64,6 +70,79 @@ def test_cuda_chi_square_1e6(rule):
     assert torch.equal(out.output_tokens[:20000].cpu(), ref.output_tokens)
 
 
+GBV_CUDA = torch.cuda.is_available() and kernels.has_op_for("gbv_verify", torch.device("cuda"))
+
+
+@pytest.mark.skipif(not GBV_CUDA, reason="needs specadapt._C built with the CUDA GBV kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,K,L,V", [(5, 1, 2, 6), (8, 2, 3, 9), (6, 3, 2, 1000), (3, 4, 4, 1001), (4, 3, 0, 50),
+                                     (16, 4, 6, 49152), (4, 3, 4, 151936)])
+def test_cuda_gbv_equals_cpu_and_reference(dtype, B, K, L, V):
+    """Same coins, same tokens: CUDA == fused CPU (== float64 reference on the small shapes)."""
+    for seed in range(2):
+        cand, p, q, u, uf = tree_batch(B, K, L, V, 200 + seed, dtype)
+        cpu = kernels.gbv_verify(cand, p, q, u, uf, impl="compiled")
+        got = kernels.gbv_verify(*(t.cuda() for t in (cand, p, q, u, uf)), impl="compiled")
+        assert torch.equal(got.chosen_path.cpu(), cpu.chosen_path)
+        assert torch.equal(got.accept_len.cpu(), cpu.accept_len)
+        assert torch.equal(got.output_tokens.cpu(), cpu.output_tokens)
+        if V <= 1001:
+            ref = kernels.gbv_verify(cand, p, q, u, uf, impl="reference")
+            assert torch.equal(got.output_tokens.cpu(), ref.output_tokens)
+
+
+@pytest.mark.skipif(not GBV_CUDA, reason="needs specadapt._C built with the CUDA GBV kernel")
+def test_cuda_gbv_one_path_is_block_verification():
+    cand, p, q, u, uf = tree_batch(32, 1, 5, 3000, 7, torch.float32)
+    dev = [t.cuda() for t in (cand, p, q, u, uf)]
+    gbv = kernels.gbv_verify(*dev, impl="compiled")
+    block = kernels.verify("block", dev[0][:, 0], dev[1][:, 0], dev[2][:, 0], dev[3], dev[4], impl="compiled")
+    assert torch.equal(gbv.accept_len, block.accept_len)
+    assert torch.equal(gbv.output_tokens, block.output_tokens)
+
+
+@pytest.mark.skipif(not GBV_CUDA, reason="needs specadapt._C built with the CUDA GBV kernel")
+@pytest.mark.parametrize("K", [2, 3])
+def test_cuda_gbv_chi_square_1e6(K):
+    rounds, L = 1_000_000, 2
+    tables = Float32Tables(3, seed=41)
+    cand, P, Q = sample_path_batch(tables, L, K, rounds, seed=9)
+    g = torch.Generator().manual_seed(10)
+    u = torch.rand(rounds, L, generator=g, dtype=torch.float64)
+    uf = torch.rand(rounds, generator=g, dtype=torch.float64)
+    out = kernels.gbv_verify(cand.cuda(), P.cuda(), Q.cuda(), u.cuda(), uf.cuda(), impl="compiled")
+    exact = gbv_outcomes(tables, K, L)
+    assert chi_square_pvalue(out.output_tokens.cpu(), out.accept_len.cpu(), exact, rounds) > 1e-4
+
+
+@needs_jit
+@pytest.mark.parametrize("rule", ["chain", "block"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,L,V", [(1, 1, 2), (33, 4, 1000), (8, 16, 151936)])
+def test_cupy_jit_equals_reference(rule, dtype, B, L, V):
+    """The NVRTC build of the same headers returns the reference's tokens for the same coins."""
+    cand, p, q, u, uf = _batch(B, L, V, 0, dtype)
+    n = torch.randint(0, L + 1, (B,), generator=torch.Generator().manual_seed(1))
+    for num in (None, n):
+        ref = VERIFY_RULES[rule](cand, p, q, u, uf, num)
+        dev = [t.cuda() for t in (cand, p, q, u, uf)]
+        got = kernels.verify(rule, *dev, num.cuda() if num is not None else None, impl="cupy")
+        assert torch.equal(got.accept_len.cpu(), ref.accept_len)
+        assert torch.equal(got.output_tokens.cpu(), ref.output_tokens)
+
+
+@needs_jit
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,K,L,V", [(8, 2, 3, 9), (3, 4, 4, 1001), (4, 3, 0, 50), (4, 3, 4, 151936)])
+def test_cupy_jit_gbv_equals_cpu(dtype, B, K, L, V):
+    cand, p, q, u, uf = tree_batch(B, K, L, V, 300, dtype)
+    cpu = kernels.gbv_verify(cand, p, q, u, uf, impl="compiled")
+    got = kernels.gbv_verify(*(t.cuda() for t in (cand, p, q, u, uf)), impl="cupy")
+    assert torch.equal(got.chosen_path.cpu(), cpu.chosen_path)
+    assert torch.equal(got.output_tokens.cpu(), cpu.output_tokens)
+
+
+@needs_compiled
 @pytest.mark.parametrize("B,K", [(1, 1), (37, 5), (1000, 7)])
 def test_cuda_irls_accumulate_equals_reference(B, K):
     from specadapt.estimator.irls import irls_accumulate_reference

@@ -5,39 +5,20 @@ Monte Carlo chi-square (1e6 rounds, fixed seeds) of the fused kernels against th
 bad input raises ValueError naming the argument; opcheck of the registered ops.
 """
 
-import itertools
 
 import numpy as np
 import pytest
 import torch
 from scipy import stats
 
-from exact_law import RandomTables, gbv_outcomes, sample_path_batch, single_path_outcomes
+from batches import random_batch as _random_batch, tree_batch as _tree_batch
+from exact_law import Float32Tables, chi_square_pvalue, gbv_outcomes, sample_path_batch, single_path_outcomes
 from specadapt import kernels
 from specadapt.verification import ROUND_LAWS, VERIFY_RULES
 from specadapt.verification.gbv import gbv_verify as gbv_reference
 
 pytestmark = pytest.mark.skipif(not kernels.has_op_for("chain_verify", torch.device("cpu")),
                                 reason="specadapt._C not built")
-
-
-def _random_batch(B, L, V, seed, dtype=torch.float32, sparse=True, K=None):
-    g = torch.Generator().manual_seed(seed)
-    lead = (B,) if K is None else (B, K)
-    logits_p = torch.randn(*lead, L + 1, V, generator=g) * 2
-    logits_q = logits_p[..., :L, :] + torch.randn(*lead, L, V, generator=g)
-    if sparse:  # exact zeros as top-k produces them
-        logits_p = logits_p.masked_fill(torch.rand(logits_p.shape, generator=g) < 0.3, float("-inf"))
-        logits_q = logits_q.masked_fill(torch.rand(logits_q.shape, generator=g) < 0.3, float("-inf"))
-        logits_p[..., 0] = 0.0
-        logits_q[..., 0] = 0.0
-    p = torch.softmax(logits_p, -1).to(dtype)
-    q = torch.softmax(logits_q, -1).to(dtype)
-    drafts = torch.multinomial(q.float().reshape(-1, V), 1, generator=g).reshape(*lead, L)
-    cand = torch.cat([torch.randint(0, V, (*lead, 1), generator=g), drafts], dim=-1)
-    u = torch.rand(B, L, generator=g, dtype=torch.float64)
-    uf = torch.rand(B, generator=g, dtype=torch.float64)
-    return cand, p, q, u, uf
 
 
 @pytest.mark.parametrize("rule", ["chain", "block"])
@@ -66,89 +47,53 @@ def test_gbv_kernel_equals_reference(dtype, B, K, L, V):
         assert torch.equal(got.chosen_path, ref.chosen_path)
 
 
-def _tree_batch(B, K, L, V, seed, dtype):
-    """K paths per request drawn from q as a tree: paths that share a prefix share the p / q rows below it."""
-    cand, p, q, u, uf = _random_batch(B, L, V, seed, torch.float32, K=K)
-    g = torch.Generator().manual_seed(seed + 1)
-    for b in range(B):
-        for k in range(K):
-            for d in range(L):
-                prefix = cand[b, k, 1 : d + 1].tolist()
-                twin = next((j for j in range(k) if cand[b, j, 1 : d + 1].tolist() == prefix), None)
-                if twin is not None:
-                    p[b, k, d] = p[b, twin, d]
-                    q[b, k, d] = q[b, twin, d]
-                else:  # a peaked q puts most mass on few tokens, so paths often merge
-                    q[b, k, d] = q[b, k, d] ** 3 / (q[b, k, d] ** 3).sum()
-                cand[b, k, d + 1] = int(torch.multinomial(q[b, k, d], 1, generator=g))
-            prefix = cand[b, k, 1:].tolist()
-            twin = next((j for j in range(k) if cand[b, j, 1:].tolist() == prefix), None)
-            if twin is not None:
-                p[b, k, L] = p[b, twin, L]
-    return cand, p.to(dtype), q.to(dtype), u, uf
-
-
-def _chi_square(outputs, accept, exact, rounds):
-    counts: dict[tuple, int] = {}
-    for row, tau in zip(outputs.tolist(), accept.tolist()):
-        key = tuple(row[: tau + 1])
-        counts[key] = counts.get(key, 0) + 1
-    assert set(counts) <= set(exact), "an outcome of zero probability was emitted"
-    keys = sorted(exact)
-    observed = np.array([counts.get(k, 0) for k in keys], dtype=np.float64)
-    expected = np.array([exact[k] for k in keys]) * rounds
-    small = expected < 5
-    obs = np.append(observed[~small], observed[small].sum())
-    exp = np.append(expected[~small], expected[small].sum())
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    return stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
-
-
-def _float32_tables(tables):
-    """The law must be computed from the float32-rounded rows the kernel sees."""
-    class Rounded(RandomTables):
-        def _row(self, u, which):
-            row = RandomTables._row(self, u, which).astype(np.float32).astype(np.float64)
-            return row
-
-    return Rounded(tables.vocab, tables.seed, tables.zero_fraction)
-
-
 @pytest.mark.parametrize("rule", ["chain", "block"])
 def test_single_path_kernel_chi_square_1e6(rule):
     rounds, L = 1_000_000, 2
-    tables = _float32_tables(RandomTables(4, seed=31))
+    tables = Float32Tables(4, seed=31)
     cand, P, Q = sample_path_batch(tables, L, 1, rounds, seed=7)
     g = torch.Generator().manual_seed(8)
     out = kernels.verify(rule, cand[:, 0], P[:, 0], Q[:, 0], torch.rand(rounds, L, generator=g, dtype=torch.float64),
                          torch.rand(rounds, generator=g, dtype=torch.float64), impl="compiled")
     exact = single_path_outcomes(tables, ROUND_LAWS[rule], L)
-    assert _chi_square(out.output_tokens, out.accept_len, exact, rounds) > 1e-4
+    assert chi_square_pvalue(out.output_tokens, out.accept_len, exact, rounds) > 1e-4
 
 
 @pytest.mark.parametrize("K", [2, 3])
 def test_gbv_kernel_chi_square_1e6(K):
     rounds, L = 1_000_000, 2
-    tables = _float32_tables(RandomTables(3, seed=41))
+    tables = Float32Tables(3, seed=41)
     cand, P, Q = sample_path_batch(tables, L, K, rounds, seed=9)
     g = torch.Generator().manual_seed(10)
     out = kernels.gbv_verify(cand, P, Q, torch.rand(rounds, L, generator=g, dtype=torch.float64),
                              torch.rand(rounds, generator=g, dtype=torch.float64), impl="compiled")
     exact = gbv_outcomes(tables, K, L)
-    assert _chi_square(out.output_tokens, out.accept_len, exact, rounds) > 1e-4
+    assert chi_square_pvalue(out.output_tokens, out.accept_len, exact, rounds) > 1e-4
+
+
+def test_chi_square_pvalue_matches_scipy():
+    """The scipy-free p-value of exact_law (used on the GPU machine) equals scipy's Pearson test."""
+    exact = {(0,): 0.5, (1,): 0.3, (2, 0): 0.15, (2, 1): 0.05}
+    rows = [[0, -1], [1, -1], [2, 0], [2, 1]]
+    counts = [5100, 2900, 1480, 520]
+    outputs = torch.tensor([r for r, c in zip(rows, counts) for _ in range(c)])
+    accept = torch.tensor([0 if r[1] < 0 else 1 for r, c in zip(rows, counts) for _ in range(c)])
+    expected = np.array([exact[k] for k in sorted(exact)]) * sum(counts)
+    observed = np.array([counts[rows.index(list(k) + [-1] * (2 - len(k)))] for k in sorted(exact)], dtype=float)
+    want = stats.chisquare(observed, expected).pvalue
+    assert chi_square_pvalue(outputs, accept, exact, sum(counts)) == pytest.approx(want, rel=1e-9)
 
 
 def test_chi_square_detects_a_biased_sampler():
     """The statistical test can fail: block decisions fed chain's law are rejected."""
     rounds, L = 200_000, 2
-    tables = _float32_tables(RandomTables(4, seed=31))
+    tables = Float32Tables(4, seed=31)
     cand, P, Q = sample_path_batch(tables, L, 1, rounds, seed=7)
     g = torch.Generator().manual_seed(8)
     out = kernels.verify("block", cand[:, 0], P[:, 0], Q[:, 0], torch.rand(rounds, L, generator=g, dtype=torch.float64),
                          torch.rand(rounds, generator=g, dtype=torch.float64), impl="compiled")
     exact = single_path_outcomes(tables, ROUND_LAWS["chain"], L)
-    assert _chi_square(out.output_tokens, out.accept_len, exact, rounds) < 1e-6
+    assert chi_square_pvalue(out.output_tokens, out.accept_len, exact, rounds) < 1e-6
 
 
 @pytest.mark.parametrize("rule", ["chain", "block"])

@@ -46,4 +46,35 @@ inline void check_verify_args(const at::Tensor& candidates, const at::Tensor& ta
               "candidates, target_probs, draft_probs, uniforms and uniforms_final must be on one device");
 }
 
+// Multi-path (GBV) contract: candidates [B, K, L+1], target_probs [B, K, L+1, V], draft_probs [B, K, L, V],
+// uniforms [B, L], uniforms_final [B].
+inline void check_gbv_args(const at::Tensor& candidates, const at::Tensor& target_probs, const at::Tensor& draft_probs,
+                    const at::Tensor& uniforms, const at::Tensor& uniforms_final) {
+  TORCH_CHECK(candidates.dim() == 3, "candidates must be [B, K, L+1] for GBV, got ", candidates.sizes());
+  TORCH_CHECK(candidates.scalar_type() == at::kLong || candidates.scalar_type() == at::kInt,
+              "candidates must be int64 or int32, got ", candidates.scalar_type());
+  const int64_t B = candidates.size(0), K = candidates.size(1), slots = candidates.size(2), L = slots - 1;
+  TORCH_CHECK(K >= 1 && slots >= 1, "candidates must hold K >= 1 paths of L+1 >= 1 slots");
+  TORCH_CHECK(target_probs.dim() == 4 && target_probs.size(0) == B && target_probs.size(1) == K &&
+                  target_probs.size(2) == slots,
+              "target_probs must be [B, K, L+1, V] = [", B, ", ", K, ", ", slots, ", V], got ", target_probs.sizes());
+  const int64_t V = target_probs.size(3);
+  TORCH_CHECK(draft_probs.dim() == 4 && draft_probs.size(0) == B && draft_probs.size(1) == K &&
+                  draft_probs.size(2) == L && draft_probs.size(3) == V,
+              "draft_probs must be [B, K, L, V] = [", B, ", ", K, ", ", L, ", ", V, "], got ", draft_probs.sizes());
+  TORCH_CHECK(target_probs.scalar_type() == at::kFloat || target_probs.scalar_type() == at::kBFloat16,
+              "target_probs must be float32 or bfloat16, got ", target_probs.scalar_type());
+  TORCH_CHECK(draft_probs.scalar_type() == target_probs.scalar_type(), "draft_probs dtype must match target_probs");
+  TORCH_CHECK(uniforms.dim() == 2 && uniforms.size(0) == B && uniforms.size(1) == L, "uniforms must be [B, L] = [", B,
+              ", ", L, "], got ", uniforms.sizes());
+  TORCH_CHECK(uniforms_final.dim() == 1 && uniforms_final.size(0) == B, "uniforms_final must be [B] = [", B,
+              "], got ", uniforms_final.sizes());
+  TORCH_CHECK(uniforms.is_floating_point() && uniforms_final.is_floating_point(),
+              "uniforms and uniforms_final must be floating tensors");
+  const auto dev = candidates.device();
+  TORCH_CHECK(target_probs.device() == dev && draft_probs.device() == dev && uniforms.device() == dev &&
+                  uniforms_final.device() == dev,
+              "candidates, target_probs, draft_probs, uniforms and uniforms_final must be on one device");
+}
+
 }  // namespace specadapt

@@ -14,6 +14,7 @@
 #include <tuple>
 #include <vector>
 
+#include "../common/verify_checks.h"
 #include "verify_common.h"
 
 namespace specadapt {
@@ -25,31 +26,6 @@ inline double power_sum(double a, double b, int64_t K) {
   double total = 0.0;
   for (int64_t i = 0; i < K; ++i) total += std::pow(a, static_cast<double>(i)) * std::pow(b, static_cast<double>(K - 1 - i));
   return total;
-}
-
-void check_gbv_args(const at::Tensor& candidates, const at::Tensor& target_probs, const at::Tensor& draft_probs,
-                    const at::Tensor& uniforms, const at::Tensor& uniforms_final) {
-  TORCH_CHECK(candidates.dim() == 3, "candidates must be [B, K, L+1] for GBV, got ", candidates.sizes());
-  TORCH_CHECK(candidates.scalar_type() == at::kLong || candidates.scalar_type() == at::kInt,
-              "candidates must be int64 or int32, got ", candidates.scalar_type());
-  const int64_t B = candidates.size(0), K = candidates.size(1), slots = candidates.size(2), L = slots - 1;
-  TORCH_CHECK(K >= 1 && slots >= 1, "candidates must hold K >= 1 paths of L+1 >= 1 slots");
-  TORCH_CHECK(target_probs.dim() == 4 && target_probs.size(0) == B && target_probs.size(1) == K &&
-                  target_probs.size(2) == slots,
-              "target_probs must be [B, K, L+1, V] = [", B, ", ", K, ", ", slots, ", V], got ", target_probs.sizes());
-  const int64_t V = target_probs.size(3);
-  TORCH_CHECK(draft_probs.dim() == 4 && draft_probs.size(0) == B && draft_probs.size(1) == K &&
-                  draft_probs.size(2) == L && draft_probs.size(3) == V,
-              "draft_probs must be [B, K, L, V] = [", B, ", ", K, ", ", L, ", ", V, "], got ", draft_probs.sizes());
-  TORCH_CHECK(target_probs.scalar_type() == at::kFloat || target_probs.scalar_type() == at::kBFloat16,
-              "target_probs must be float32 or bfloat16, got ", target_probs.scalar_type());
-  TORCH_CHECK(draft_probs.scalar_type() == target_probs.scalar_type(), "draft_probs dtype must match target_probs");
-  TORCH_CHECK(uniforms.dim() == 2 && uniforms.size(0) == B && uniforms.size(1) == L, "uniforms must be [B, L] = [", B,
-              ", ", L, "], got ", uniforms.sizes());
-  TORCH_CHECK(uniforms_final.dim() == 1 && uniforms_final.size(0) == B, "uniforms_final must be [B] = [", B,
-              "], got ", uniforms_final.sizes());
-  TORCH_CHECK(uniforms.is_floating_point() && uniforms_final.is_floating_point(),
-              "uniforms and uniforms_final must be floating tensors");
 }
 
 template <typename scalar_t>

@@ -39,27 +39,33 @@ std::tuple<at::Tensor, at::Tensor> verify_cuda(const at::Tensor& candidates, con
   auto output_tokens = at::full({B, L + 1}, -1, opts);
   auto error = at::zeros({1}, opts);
   if (B == 0) return {accept_len, output_tokens};
-  cuda::VerifyArgs args{cand.data_ptr<int64_t>(), u.data_ptr<double>(), uf.data_ptr<double>(),
-                        n.defined() ? n.data_ptr<int64_t>() : nullptr, accept_len.data_ptr<int32_t>(),
-                        output_tokens.data_ptr<int32_t>(), error.data_ptr<int32_t>(), L, V};
+  const int64_t* cp = cand.data_ptr<int64_t>();
+  const double* up = u.data_ptr<double>();
+  const double* ufp = uf.data_ptr<double>();
+  const int64_t* np = n.defined() ? n.data_ptr<int64_t>() : nullptr;
+  int32_t* ap = accept_len.data_ptr<int32_t>();
+  int32_t* tp = output_tokens.data_ptr<int32_t>();
+  int32_t* ep = error.data_ptr<int32_t>();
+#define SPECADAPT_VERIFY_ARGS cp, up, ufp, np, ap, tp, ep, L, V
   auto stream = at::cuda::getCurrentCUDAStream();
   if (p.scalar_type() == at::kFloat) {
     const float* pp = p.data_ptr<float>();
     const float* qp = q.data_ptr<float>();
     if (kBlock) {
-      cuda::block_verify_kernel<float, kMaxDrafts><<<B, kThreads, 0, stream>>>(pp, qp, args);
+      cuda::block_verify_kernel<float, kMaxDrafts><<<B, kThreads, 0, stream>>>(pp, qp, SPECADAPT_VERIFY_ARGS);
     } else {
-      cuda::chain_verify_kernel<float><<<B, kThreads, 0, stream>>>(pp, qp, args);
+      cuda::chain_verify_kernel<float><<<B, kThreads, 0, stream>>>(pp, qp, SPECADAPT_VERIFY_ARGS);
     }
   } else {
     const auto* pp = reinterpret_cast<const __nv_bfloat16*>(p.data_ptr<at::BFloat16>());
     const auto* qp = reinterpret_cast<const __nv_bfloat16*>(q.data_ptr<at::BFloat16>());
     if (kBlock) {
-      cuda::block_verify_kernel<__nv_bfloat16, kMaxDrafts><<<B, kThreads, 0, stream>>>(pp, qp, args);
+      cuda::block_verify_kernel<__nv_bfloat16, kMaxDrafts><<<B, kThreads, 0, stream>>>(pp, qp, SPECADAPT_VERIFY_ARGS);
     } else {
-      cuda::chain_verify_kernel<__nv_bfloat16><<<B, kThreads, 0, stream>>>(pp, qp, args);
+      cuda::chain_verify_kernel<__nv_bfloat16><<<B, kThreads, 0, stream>>>(pp, qp, SPECADAPT_VERIFY_ARGS);
     }
   }
+#undef SPECADAPT_VERIFY_ARGS
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {accept_len, output_tokens};
 }

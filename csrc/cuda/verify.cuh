@@ -6,7 +6,7 @@
 #pragma once
 
 #include <cuda_bf16.h>
-#include <stdint.h>
+#include "stdint.cuh"
 
 namespace specadapt {
 namespace cuda {
@@ -175,7 +175,8 @@ __device__ int64_t block_sample_residual(const T* p, const T* q, double w, doubl
   return static_cast<int64_t>(last) - 1;
 }
 
-// Shared layout of both kernels: candidates [B, L+1] int64, target_probs [B, L+1, V], draft_probs [B, L, V],
+// Shared layout of both kernels (flat kernel arguments, so NVRTC / CuPy launch them as nvcc's binding does):
+// candidates [B, L+1] int64, target_probs [B, L+1, V], draft_probs [B, L, V],
 // uniforms [B, L] double, uniforms_final [B] double, num_draft_tokens [B] int64 or null;
 // outputs accept_len [B] int32, output_tokens [B, L+1] int32 (pre-filled with -1 by the caller),
 // error [1] int32 set to 1 when a target row has no mass.
@@ -203,7 +204,13 @@ __device__ __forceinline__ void write_outputs(const VerifyArgs& a, int64_t b, co
 
 template <typename T>
 __global__ void chain_verify_kernel(const T* __restrict__ target_probs, const T* __restrict__ draft_probs,
-                                    VerifyArgs a) {
+                                    const int64_t* __restrict__ candidates,
+                                    const double* __restrict__ uniforms, const double* __restrict__ uniforms_final,
+                                    const int64_t* __restrict__ num_draft_tokens, int32_t* __restrict__ accept_len,
+                                    int32_t* __restrict__ output_tokens, int32_t* __restrict__ error,
+                                    int64_t num_drafts, int64_t vocab) {
+  const VerifyArgs a{candidates, uniforms, uniforms_final, num_draft_tokens, accept_len, output_tokens, error,
+                     num_drafts, vocab};
   __shared__ double scratch[33];
   __shared__ int64_t shared_index;
   __shared__ int64_t shared_tau;
@@ -231,7 +238,13 @@ __global__ void chain_verify_kernel(const T* __restrict__ target_probs, const T*
 // Block verification. kMaxDrafts bounds L (path weights live in shared memory).
 template <typename T, int kMaxDrafts = 64>
 __global__ void block_verify_kernel(const T* __restrict__ target_probs, const T* __restrict__ draft_probs,
-                                    VerifyArgs a) {
+                                    const int64_t* __restrict__ candidates,
+                                    const double* __restrict__ uniforms, const double* __restrict__ uniforms_final,
+                                    const int64_t* __restrict__ num_draft_tokens, int32_t* __restrict__ accept_len,
+                                    int32_t* __restrict__ output_tokens, int32_t* __restrict__ error,
+                                    int64_t num_drafts, int64_t vocab) {
+  const VerifyArgs a{candidates, uniforms, uniforms_final, num_draft_tokens, accept_len, output_tokens, error,
+                     num_drafts, vocab};
   constexpr int N = Vec<T>::kSize;
   __shared__ double scratch[33];
   __shared__ double weights[kMaxDrafts + 1];

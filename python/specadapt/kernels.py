@@ -1,9 +1,10 @@
-"""Access to the compiled ops of ``specadapt._C`` with a logged fall-back to the float64 references.
+"""Access to the compiled ops of ``specadapt._C``, the CuPy JIT of the CUDA kernels, and the float64 references.
 
 The extension registers its ops with ``TORCH_LIBRARY`` under the ``specadapt::`` namespace; this module loads
 it, registers the fake (meta) implementations used by ``torch.compile`` and ``torch.library.opcheck``, and
-exposes Python functions that dispatch to the compiled op when it exists for the tensors' device, and to the
-reference otherwise, saying so once in the log (never silently).
+exposes Python functions that dispatch to the compiled op when it exists for the tensors' device, on CUDA to
+the CuPy (NVRTC) JIT of the same headers when the extension was built without CUDA, and to the float64
+reference otherwise, saying so once in the log (never silently): :func:`choose_implementation`.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ __all__ = [
     "verify",
     "gbv_verify",
     "IMPLEMENTATIONS",
+    "choose_implementation",
     "irls_accumulate",
 ]
 
-IMPLEMENTATIONS = ("auto", "compiled", "reference")
+IMPLEMENTATIONS = ("auto", "compiled", "cupy", "reference")
 
 try:
     from . import _C  # noqa: F401  (import registers the ops)
@@ -129,29 +131,81 @@ def block_residual_mass(
     return residual_mass_reference(target_probs.float(), draft_probs.float(), weights.float())
 
 
-def _use_compiled(op_name: str, impl: str, probs: torch.Tensor) -> bool:
+def choose_implementation(op_name: str, impl: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Which implementation of ``specadapt::<op_name>`` runs for probabilities on ``device`` as ``dtype``.
+
+    ``auto``: the compiled extension when it has a kernel for the device, else (CUDA only) the CuPy JIT of the same
+    CUDA headers (:mod:`specadapt.cuda_jit`), else the float64 reference, with a logged warning saying why (once
+    per op / device / dtype). ``compiled``, ``cupy`` and ``reference`` force one.
+
+    Returns:
+        ``"compiled"``, ``"cupy"`` or ``"reference"``.
+
+    Raises:
+        ValueError: unknown ``impl``; a forced implementation that cannot run here (the message says why).
+    """
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
     if impl == "reference":
-        return False
-    available = has_op_for(op_name, probs.device) and probs.dtype in (torch.float32, torch.bfloat16)
-    if impl == "compiled" and not available:
+        return "reference"
+    kernel_dtype = dtype in (torch.float32, torch.bfloat16)
+    compiled = kernel_dtype and has_op_for(op_name, device)
+    from . import cuda_jit
+
+    jit_reason = cuda_jit.unavailable_reason() if device.type == "cuda" else f"the CuPy JIT runs on CUDA, not {device.type}"
+    jit = kernel_dtype and jit_reason is None
+    if impl == "compiled" and not compiled:
         raise ValueError(
-            f"impl='compiled' but specadapt::{op_name} has no kernel for target_probs on {probs.device.type} "
-            f"as {probs.dtype} (kernels take float32 / bfloat16; {extension_error() or 'built devices only'})"
+            f"impl='compiled' but specadapt::{op_name} has no kernel for target_probs on {device.type} "
+            f"as {dtype} (kernels take float32 / bfloat16; {extension_error() or 'built devices only'})"
         )
-    if not available:
-        _warn_once(
-            f"{op_name}:{probs.device.type}:{probs.dtype}",
-            f"specadapt::{op_name} has no compiled kernel for {probs.device.type} / {probs.dtype}; "
-            "using the float64 PyTorch reference",
-        )
-    return available
+    if impl == "cupy" and not jit:
+        raise ValueError(f"impl='cupy' but the CuPy JIT cannot run {op_name} on {device.type} as {dtype}: "
+                         f"{jit_reason or 'kernels take float32 / bfloat16'}")
+    if impl in ("compiled", "cupy"):
+        return impl
+    if compiled:
+        return "compiled"
+    if jit:
+        _warn_once(f"{op_name}:{device.type}:jit", f"specadapt::{op_name} is not compiled for {device.type}; "
+                   "running the CuPy (NVRTC) JIT of the same CUDA kernels")
+        return "cupy"
+    _warn_once(
+        f"{op_name}:{device.type}:{dtype}",
+        f"specadapt::{op_name} has no compiled kernel for {device.type} / {dtype}"
+        + (f" and no CuPy JIT ({jit_reason})" if device.type == "cuda" else "")
+        + "; using the float64 PyTorch reference",
+    )
+    return "reference"
 
 
 def _check_finite_target(target_probs: torch.Tensor) -> None:
     if not bool(torch.isfinite(target_probs).all()) or bool((target_probs < 0).any()):
         raise ValueError("target_probs contains NaN, inf or negative entries")
+
+
+def _check_jit_args(candidates, target_probs, draft_probs, uniforms, uniforms_final, paths: bool = False) -> None:
+    """Shapes, dtypes and devices for the JIT path (the compiled ops check these in C++)."""
+    lead = 2 if paths else 1
+    if candidates.dim() != lead + 1 or target_probs.dim() != lead + 2 or draft_probs.dim() != lead + 2:
+        raise ValueError(f"candidates / target_probs / draft_probs must be [B, {'K, ' if paths else ''}L+1] / "
+                         f"[..., L+1, V] / [..., L, V], got {tuple(candidates.shape)}, {tuple(target_probs.shape)}, "
+                         f"{tuple(draft_probs.shape)}")
+    if target_probs.shape[:-1] != candidates.shape or draft_probs.shape[:-2] != candidates.shape[:-1] \
+            or draft_probs.shape[-2] != candidates.shape[-1] - 1 or draft_probs.shape[-1] != target_probs.shape[-1]:
+        raise ValueError(f"target_probs {tuple(target_probs.shape)} and draft_probs {tuple(draft_probs.shape)} do not "
+                         f"fit candidates {tuple(candidates.shape)}")
+    if draft_probs.dtype != target_probs.dtype:
+        raise ValueError(f"draft_probs dtype must match target_probs ({target_probs.dtype}), got {draft_probs.dtype}")
+    if candidates.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"candidates must be int64 or int32, got {candidates.dtype}")
+    B, L = candidates.shape[0], candidates.shape[-1] - 1
+    if tuple(uniforms.shape) != (B, L) or tuple(uniforms_final.shape) != (B,):
+        raise ValueError(f"uniforms must be [B, L] = [{B}, {L}] and uniforms_final [B] = [{B}], got "
+                         f"{tuple(uniforms.shape)} and {tuple(uniforms_final.shape)}")
+    devices = {t.device for t in (candidates, target_probs, draft_probs, uniforms, uniforms_final)}
+    if len(devices) != 1:
+        raise ValueError("candidates, target_probs, draft_probs, uniforms and uniforms_final must be on one device")
 
 
 def _call_op(op, *args):
@@ -181,8 +235,9 @@ def verify(
 
     Args:
         rule: ``chain`` or ``block``.
-        impl: ``auto`` (compiled kernel when one exists for the device and dtype, else the reference with a
-            logged warning), ``compiled`` (error if unavailable) or ``reference``.
+        impl: ``auto`` (compiled kernel when one exists for the device and dtype, else on CUDA the CuPy JIT of the
+            same kernels, else the reference, with a logged warning), ``compiled`` / ``cupy`` (error if
+            unavailable) or ``reference``; see :func:`choose_implementation`.
         debug: raise on NaN/inf/negative target probabilities.
 
     Raises:
@@ -192,12 +247,19 @@ def verify(
         raise ValueError(f"unknown verification rule {rule!r}; choose one of {sorted(VERIFY_RULES)}")
     if not isinstance(target_probs, torch.Tensor):
         raise TypeError(f"target_probs must be a torch.Tensor, got {type(target_probs).__name__}")
-    if not _use_compiled(f"{rule}_verify", impl, target_probs):
+    chosen = choose_implementation(f"{rule}_verify", impl, target_probs.device, target_probs.dtype)
+    if chosen == "reference":
         return VERIFY_RULES[rule](
             candidates, target_probs, draft_probs, uniforms, uniforms_final, num_draft_tokens, debug=debug
         )
     if debug:
         _check_finite_target(target_probs)
+    if chosen == "cupy":
+        from . import cuda_jit
+
+        _check_jit_args(candidates, target_probs, draft_probs, uniforms, uniforms_final)
+        return VerifyOutput(*cuda_jit.verify(rule, candidates, target_probs, draft_probs, uniforms, uniforms_final,
+                                             num_draft_tokens))
     op = getattr(torch.ops.specadapt, f"{rule}_verify")
     accept_len, output_tokens = _call_op(
         op, candidates, target_probs, draft_probs, uniforms, uniforms_final, num_draft_tokens
@@ -225,10 +287,16 @@ def gbv_verify(
     """
     if not isinstance(target_probs, torch.Tensor):
         raise TypeError(f"target_probs must be a torch.Tensor, got {type(target_probs).__name__}")
-    if not _use_compiled("gbv_verify", impl, target_probs):
+    chosen = choose_implementation("gbv_verify", impl, target_probs.device, target_probs.dtype)
+    if chosen == "reference":
         return gbv_verify_reference(candidates, target_probs, draft_probs, uniforms, uniforms_final, debug=debug)
     if debug:
         _check_finite_target(target_probs)
+    if chosen == "cupy":
+        from . import cuda_jit
+
+        _check_jit_args(candidates, target_probs, draft_probs, uniforms, uniforms_final, paths=True)
+        return GBVOutput(*cuda_jit.gbv_verify(candidates, target_probs, draft_probs, uniforms, uniforms_final))
     accept_len, output_tokens, chosen = _call_op(
         torch.ops.specadapt.gbv_verify, candidates, target_probs, draft_probs, uniforms, uniforms_final
     )

@@ -52,6 +52,7 @@ class CaseResult:
     bandwidth_fraction: float
     speedup_vs_reference: float | None
     reference_ms: float | None
+    impl: str = "compiled"  # which implementation of ours was timed: "compiled" (specadapt._C) or "cupy" (JIT)
     # {name: {"median_ms", "speedup"}} (plus "error" when the call failed); None: no baseline for this case
     baselines: dict | None = None
 
@@ -162,14 +163,15 @@ def _time_baselines(case: Case, args, device: torch.device, fused_ms: float, loa
 
 
 def run_case(case: Case, device: torch.device, copy_gbps: float, repeats: int = 10,
-             reference_repeats: int = 1, with_reference: bool = True, baselines: dict | None = None) -> CaseResult:
+             reference_repeats: int = 1, with_reference: bool = True, baselines: dict | None = None,
+             impl: str = "compiled") -> CaseResult:
     """Time one case; the reference is timed ``reference_repeats`` times (it is slow) unless disabled.
 
     ``baselines``: ``{name: LoadedBaseline}`` (from :func:`specadapt.bench.baselines.resolve`), each timed
     ``repeats`` times on the same inputs when it compares with ``case.op``.
     """
     args = make_inputs(case, device)
-    fused_ms = _time(lambda: _call(case, "compiled", args), device, repeats)
+    fused_ms = _time(lambda: _call(case, impl, args), device, repeats)
     elt = args[1].element_size()
     paths = case.K if case.op == "gbv" else 1
     bytes_moved = case.B * paths * ((case.L + 1) + case.L) * case.V * elt + case.B * (case.L + 3) * 4
@@ -178,23 +180,30 @@ def run_case(case: Case, device: torch.device, copy_gbps: float, repeats: int = 
     return CaseResult(
         op=case.op, device=device.type, B=case.B, L=case.L, V=case.V, K=case.K, median_ms=fused_ms, gbps=gbps,
         bandwidth_fraction=gbps / copy_gbps, speedup_vs_reference=(ref_ms / fused_ms) if ref_ms else None,
-        reference_ms=ref_ms,
+        reference_ms=ref_ms, impl=impl,
         baselines=_time_baselines(case, args, device, fused_ms, baselines, repeats) if baselines else None,
     )
 
 
 def run_benchmark(cases: list[Case], device: torch.device, repeats: int = 10, reference_repeats: int = 1,
-                  with_reference: bool = True, progress: bool = True, with_baselines: bool = True) -> dict:
+                  with_reference: bool = True, progress: bool = True, with_baselines: bool = True,
+                  impl: str = "compiled") -> dict:
     """Run ``cases`` and return ``{"copy_bandwidth_gbps", "cases": [...], "device", "torch", "baseline_status"}``.
 
     ``baseline_status`` is ``{"line", "found": {name: version}, "skipped": {name: reason}}``; the baselines
     found (CUDA only, when importable) are timed per case (``case["baselines"]``).
 
+    ``impl``: ``compiled`` (specadapt._C) or ``cupy`` (the NVRTC JIT of the same CUDA headers, CUDA only).
+
     Raises:
-        ValueError: no compiled kernel for ``device``.
+        ValueError: ``impl`` cannot run on ``device`` (no compiled kernel, no CuPy).
     """
-    if not kernels.has_op_for("block_verify", device):
+    if impl not in ("compiled", "cupy"):
+        raise ValueError(f"impl must be compiled or cupy, got {impl!r}")
+    if impl == "compiled" and not kernels.has_op_for("block_verify", device):
         raise ValueError(f"no compiled verification kernels for {device.type}: build specadapt._C for it")
+    if impl == "cupy":
+        kernels.choose_implementation("block_verify", "cupy", device, torch.float32)  # raises with the reason
     from tqdm import tqdm
 
     if with_baselines:
@@ -206,11 +215,11 @@ def run_benchmark(cases: list[Case], device: torch.device, repeats: int = 10, re
     copy_gbps = copy_bandwidth_gbps(device)
     results = []
     for case in tqdm(cases, desc="bench-kernels", disable=not progress):
-        if case.op == "gbv" and not kernels.has_op_for("gbv_verify", device):
+        if impl == "compiled" and case.op == "gbv" and not kernels.has_op_for("gbv_verify", device):
             logger.warning("skipping %s: no compiled gbv_verify for %s", case, device.type)
             continue
         results.append(run_case(case, device, copy_gbps, repeats, reference_repeats, with_reference,
-                                baselines=loaded).record())
+                                baselines=loaded, impl=impl).record())
     return {
         "copy_bandwidth_gbps": copy_gbps,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -32,6 +32,8 @@ def add_parser(sub) -> None:
     p.add_argument("--no-reference", action="store_true", help="skip timing the reference")
     p.add_argument("--no-baselines", action="store_true",
                    help="do not time flashinfer / SGLang baselines (CUDA only, when importable)")
+    p.add_argument("--impl", choices=["compiled", "cupy"], default="compiled",
+                   help="time specadapt._C, or the CuPy (NVRTC) JIT of the same CUDA kernels (cuda only)")
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(run=run)
@@ -56,9 +58,9 @@ def run(args) -> int:
     try:
         report = run_benchmark(cases, torch.device(args.device), args.repeats, args.reference_repeats,
                                not args.no_reference, progress=not args.no_progress,
-                               with_baselines=not args.no_baselines)
+                               with_baselines=not args.no_baselines, impl=args.impl)
     except ValueError as exc:
-        raise UsageError(f"--device: {exc}") from None
+        raise UsageError(f"--device / --impl: {exc}") from None
     print(f"copy bandwidth {report['copy_bandwidth_gbps']:.1f} GB/s on {report['device']} "
           f"({report['threads']} threads)")
     print(report["baseline_status"]["line"])

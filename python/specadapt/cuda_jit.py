@@ -1,0 +1,243 @@
+"""Run-time compilation of specadapt's CUDA verification kernels with CuPy (NVRTC).
+
+The kernels live in torch-free headers (``csrc/cuda/verify.cuh``, ``gbv.cuh``). When ``specadapt._C`` was built
+without CUDA (a CPU build of the wheel, no nvcc at install time) but the process has a CUDA device and CuPy,
+:mod:`specadapt.kernels` runs the SAME headers compiled here by NVRTC: the dispatch order is compiled extension
+> CuPy JIT > float64 reference, and the log says which one runs. The GBV ranking sort, which the compiled binding
+does with CUB, is a stable ``torch.sort`` here; everything else is the headers' kernels, launched on torch's
+current stream (no host synchronisation).
+
+Headers are found in the installed package (``specadapt/cuda_headers``, copied there by ``setup.py``) or in the
+source tree (editable installs); the CUDA headers NVRTC needs (``cuda_bf16.h``) in ``$CUDA_PATH`` /
+``$CUDA_HOME``, ``/usr/local/cuda`` or the ``nvidia-*`` pip wheels.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["available", "unavailable_reason", "headers_dir", "compile_ptx", "kernel_names", "verify", "gbv_verify"]
+
+THREADS = 256
+MAX_DRAFTS = 64  # the kMaxDrafts of block_verify_kernel (path weights in shared memory)
+MAX_PATHS = 32  # the kMaxPaths of gbv_walk_kernel
+_CTYPE = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16"}
+
+
+def kernel_names(dtype: torch.dtype) -> dict[str, str]:
+    """C++ name expressions of the kernel instantiations for probabilities of ``dtype`` (float32 / bfloat16)."""
+    t = _CTYPE[dtype]
+    ns = "specadapt::cuda::"
+    return {
+        "chain": f"{ns}chain_verify_kernel<{t}>",
+        "block": f"{ns}block_verify_kernel<{t}, {MAX_DRAFTS}>",
+        "gbv_walk": f"{ns}gbv_walk_kernel<{t}, {MAX_PATHS}>",
+        "gbv_fill_keys": f"{ns}gbv_fill_keys_kernel<{t}>",
+        "gbv_depth": f"{ns}gbv_depth_kernel<{t}>",
+        "gbv_accept": f"{ns}gbv_accept_kernel",
+        "gbv_sample": f"{ns}gbv_sample_kernel<{t}>",
+    }
+
+
+def headers_dir() -> Path:
+    """Directory holding ``verify.cuh`` / ``gbv.cuh``. Raises FileNotFoundError when neither copy exists."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "cuda_headers", here.parents[1] / "csrc" / "cuda"):
+        if (candidate / "gbv.cuh").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"specadapt's CUDA headers (gbv.cuh) are neither in {here / 'cuda_headers'} nor in a source tree; "
+        "reinstall specadapt"
+    )
+
+
+def cuda_include_dirs() -> list[str]:
+    """Directories with the CUDA toolkit headers NVRTC needs (``cuda_bf16.h``), most specific first."""
+    roots = [os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
+    dirs = [os.path.join(r, "include") for r in roots if r]
+    try:
+        import nvidia  # namespace package of the nvidia-* wheels
+
+        dirs += sorted(d for root in nvidia.__path__ for d in glob.glob(os.path.join(root, "*", "include")))
+    except ImportError:
+        pass
+    return [d for d in dict.fromkeys(dirs) if os.path.isfile(os.path.join(d, "cuda_bf16.h"))]
+
+
+def _source() -> str:
+    return '#include "verify.cuh"\n#include "gbv.cuh"\n'
+
+
+def _options() -> tuple[str, ...]:
+    return ("-std=c++17", f"-I{headers_dir()}", *(f"-I{d}" for d in cuda_include_dirs()))
+
+
+def compile_ptx(arch: str = "compute_90") -> tuple[str, dict[str, str]]:
+    """Compile the headers with NVRTC (no GPU needed) and return ``(ptx, {name expression: lowered name})``.
+
+    Raises:
+        ImportError: CuPy or its NVRTC library is missing. RuntimeError: NVRTC failed (the log is in the message).
+    """
+    from cupy.cuda import nvrtc
+
+    names = [n for dtype in _CTYPE for n in kernel_names(dtype).values()]
+    names = list(dict.fromkeys(names))
+    prog = nvrtc.createProgram(_source(), "specadapt_jit.cu", [], [])
+    try:
+        for name in names:
+            nvrtc.addNameExpression(prog, name)
+        try:
+            nvrtc.compileProgram(prog, [f"-arch={arch}", *_options()])
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(f"NVRTC failed on specadapt's CUDA headers: {exc}\n{nvrtc.getProgramLog(prog)}") from None
+        lowered = {name: nvrtc.getLoweredName(prog, name) for name in names}
+        ptx = nvrtc.getPTX(prog)
+        return (ptx.decode() if isinstance(ptx, bytes) else ptx), lowered
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+@functools.lru_cache(maxsize=1)
+def unavailable_reason() -> str | None:
+    """Why the JIT path cannot run in this process (``None`` when it can): no CUDA device, no CuPy, no headers."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        import cupy  # noqa: F401
+    except ImportError as exc:
+        return f"CuPy is not installed ({exc}); pip install cupy-cuda12x or cupy-cuda13x to match the driver"
+    try:
+        headers_dir()
+    except FileNotFoundError as exc:
+        return str(exc)
+    if not cuda_include_dirs():
+        return "no CUDA headers (cuda_bf16.h) for NVRTC: set CUDA_PATH or pip install nvidia-cuda-runtime"
+    return None
+
+
+def available() -> bool:
+    """True when the CuPy JIT path can run here."""
+    return unavailable_reason() is None
+
+
+@functools.lru_cache(maxsize=None)
+def _module(device_index: int):
+    import cupy
+
+    with cupy.cuda.Device(device_index):
+        names = [n for dtype in _CTYPE for n in kernel_names(dtype).values()]
+        module = cupy.RawModule(code=_source(), options=_options(), name_expressions=list(dict.fromkeys(names)))
+        module.compile()
+    logger.info("specadapt: compiled the CUDA verification kernels with NVRTC (CuPy) for device %d", device_index)
+    return module
+
+
+def _kernel(name: str, dtype: torch.dtype, device: torch.device):
+    return _module(device.index if device.index is not None else torch.cuda.current_device()).get_function(
+        kernel_names(dtype)[name]
+    )
+
+
+def _ptr(t: torch.Tensor | None):
+    """A kernel pointer argument: the tensor as a CuPy array (zero copy), or a null pointer."""
+    import cupy
+    import numpy as np
+
+    if t is None:
+        return np.uint64(0)
+    return cupy.from_dlpack(t.detach())
+
+
+def _launch(kernel, grid, block, args, device: torch.device) -> None:
+    import cupy
+
+    with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream):
+        kernel(grid, block, args)
+
+
+def verify(rule, candidates, target_probs, draft_probs, uniforms, uniforms_final, num_draft_tokens=None):
+    """``chain`` / ``block`` verification through the JIT-compiled headers; contract of
+    :func:`specadapt.kernels.verify` (CUDA tensors, probabilities float32 / bfloat16, L <= 64).
+
+    Returns ``(accept_len [B] int32, output_tokens [B, L+1] int32)``. Raises ValueError for L > 64.
+    """
+    import numpy as np
+
+    B, L, V = candidates.shape[0], candidates.shape[1] - 1, target_probs.shape[2]
+    if L > MAX_DRAFTS:
+        raise ValueError(f"the CUDA kernels support at most {MAX_DRAFTS} draft tokens, got L = {L}")
+    dev = target_probs.device
+    cand = candidates.to(torch.int64).contiguous()
+    p, q = target_probs.contiguous(), draft_probs.contiguous()
+    u, uf = uniforms.to(torch.float64).contiguous(), uniforms_final.to(torch.float64).contiguous()
+    n = num_draft_tokens.to(torch.int64).contiguous() if num_draft_tokens is not None else None
+    accept_len = torch.zeros(B, dtype=torch.int32, device=dev)
+    output_tokens = torch.full((B, L + 1), -1, dtype=torch.int32, device=dev)
+    error = torch.zeros(1, dtype=torch.int32, device=dev)
+    if B:
+        args = (_ptr(p), _ptr(q), _ptr(cand), _ptr(u), _ptr(uf), _ptr(n), _ptr(accept_len), _ptr(output_tokens),
+                _ptr(error), np.int64(L), np.int64(V))
+        _launch(_kernel(rule, p.dtype, dev), (B,), (THREADS,), args, dev)
+    return accept_len, output_tokens
+
+
+def gbv_verify(candidates, target_probs, draft_probs, uniforms, uniforms_final):
+    """GBV through the JIT-compiled headers (the pipeline of ``csrc/cuda/gbv.cu``, with a stable ``torch.sort``
+    per depth for the ranking); contract of :func:`specadapt.kernels.gbv_verify` on CUDA tensors, K <= 32.
+
+    Returns ``(accept_len [B], output_tokens [B, L+1], chosen_path [B])`` int32. Raises ValueError for K > 32.
+    """
+    import numpy as np
+
+    B, K, L, V = candidates.shape[0], candidates.shape[1], candidates.shape[2] - 1, target_probs.shape[3]
+    if K > MAX_PATHS:
+        raise ValueError(f"the CUDA GBV kernel supports at most {MAX_PATHS} paths, got K = {K}")
+    dev, dtype = target_probs.device, target_probs.dtype
+    cand = candidates.to(torch.int64).contiguous()
+    p, q = target_probs.contiguous(), draft_probs.contiguous()
+    u, uf = uniforms.to(torch.float64).contiguous(), uniforms_final.to(torch.float64).contiguous()
+    i32 = dict(dtype=torch.int32, device=dev)
+    f64 = dict(dtype=torch.float64, device=dev)
+    accept_len, chosen = torch.zeros(B, **i32), torch.zeros(B, **i32)
+    output_tokens = torch.full((B, L + 1), -1, **i32)
+    if B == 0:
+        return accept_len, output_tokens, chosen
+    error = torch.zeros(1, **i32)
+    keys, ids, cum = torch.empty(B, V, **f64), torch.empty(B, V, **i32), torch.empty(B, V, **f64)
+    r, weights = torch.zeros(B, L + 1, **f64), torch.ones(B, L + 1, **f64)
+    residual_mass = torch.zeros(B, max(L, 1), **f64)
+    k64 = (np.int64(K), np.int64(L), np.int64(V))
+    fill_grid = (B, min((V + THREADS - 1) // THREADS, 64))
+
+    def ranked(depth_per_request, depth):
+        _launch(_kernel("gbv_fill_keys", dtype, dev), fill_grid, (THREADS,),
+                (_ptr(p), _ptr(q), _ptr(chosen), _ptr(depth_per_request), np.int64(depth), _ptr(keys), _ptr(ids),
+                 *k64), dev)
+        order = torch.sort(keys, dim=-1, stable=True).indices  # ties keep ascending token ids
+        return torch.gather(ids, 1, order).contiguous()
+
+    _launch(_kernel("gbv_walk", dtype, dev), (B,), (32,),
+            (_ptr(p), _ptr(q), _ptr(cand), _ptr(chosen), _ptr(error), *k64), dev)
+    sorted_ids = ids
+    for d in range(L):
+        sorted_ids = ranked(None, d)
+        _launch(_kernel("gbv_depth", dtype, dev), (B,), (THREADS,),
+                (_ptr(p), _ptr(q), _ptr(cand), _ptr(chosen), _ptr(sorted_ids), _ptr(cum), _ptr(r), _ptr(weights),
+                 _ptr(residual_mass), np.int64(d), *k64), dev)
+    _launch(_kernel("gbv_accept", dtype, dev), ((B + 127) // 128,), (128,),
+            (_ptr(cand), _ptr(chosen), _ptr(u), _ptr(weights), _ptr(residual_mass), _ptr(accept_len),
+             _ptr(output_tokens), np.int64(B), np.int64(K), np.int64(L)), dev)
+    if L > 0:
+        sorted_ids = ranked(accept_len, 0)
+    _launch(_kernel("gbv_sample", dtype, dev), (B,), (THREADS,),
+            (_ptr(p), _ptr(q), _ptr(chosen), _ptr(accept_len), _ptr(sorted_ids), _ptr(cum), _ptr(r), _ptr(weights),
+             _ptr(uf), _ptr(output_tokens), _ptr(error), *k64), dev)
+    return accept_len, output_tokens, chosen
