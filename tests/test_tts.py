@@ -83,7 +83,7 @@ def test_loss_bad_input():
     "kwargs,match",
     [({"stride": 0}, "stride"), ({"lr": 0}, "lr"), ({"params": "all"}, "params"), ({"lora_rank": 0}, "rank"),
      ({"supervise": "x"}, "supervise"), ({"position_decay": 1.5}, "decay"), ({"rollback_margin": 0}, "margin"),
-     ({"scope": "global"}, "scope"), ({"scope": "request"}, "lora")],
+     ({"scope": "global"}, "scope"), ({"scope": "request"}, "lora"), ({"topk": -1}, "--tts-topk")],
 )
 def test_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -291,6 +291,55 @@ def test_student_forward_reproduces_the_rows_the_round_was_drafted_from(tiny_tar
             with torch.no_grad():
                 alone = draft.tts_student_logits(draft.model, ex.context, drafts[i])
             torch.testing.assert_close(together[i, : drafts[i].shape[0]], alone, atol=1e-4, rtol=1e-4)
+
+
+def test_top_k_rows_keep_the_largest_entries_renormalised():
+    from specadapt.engine.tts_bridge import top_k_rows
+
+    rows = torch.tensor([[0.1, 0.5, 0.0, 0.4], [0.0, 0.0, 0.0, 0.0]])
+    values, index = top_k_rows(rows, 2)
+    assert index.dtype == torch.int32 and index[0].tolist() == [1, 3]
+    torch.testing.assert_close(values[0], torch.tensor([5 / 9, 4 / 9]))
+    assert values[1].abs().sum() == 0  # a row without mass stays without mass
+
+
+@pytest.mark.parametrize("topk", [0, 5, 10_000])
+def test_tts_topk_snapshots(tiny_target, topk):
+    """--tts-topk k: snapshots hold k values + ids per position; densified, they are the renormalised top-k of the
+    full rows; k >= V keeps the dense rows, so the loss is the spec's exact full-vocabulary KL."""
+    from specadapt.engine.tts_bridge import top_k_rows
+
+    params = SamplingParams(0.9)
+    seen = {}
+    for k in (0, topk):
+        draft = _tts_draft(tiny_target, "self:1", params)
+        tts = EngineTTS(draft, TTSConfig(stride=10_000, supervise="canvas", topk=k), params, max_requests=3)
+        captured = []
+        original = tts.updater.end_round
+        tts.updater.end_round = lambda examples, acc: (captured.extend(examples), original(examples, acc))
+        SpeculativeEngine(tiny_target, draft, params, 3, "block", seed=4, tts=tts).generate(PROMPTS, 12, batch_size=3)
+        loss = tts._loss(tts.updater.shadow, captured[:6]).item()
+        tts.close()
+        seen[k] = (captured, loss)
+    full, full_loss = seen[0]
+    got, got_loss = seen[topk]
+    vocab = full[0].teacher.shape[1]
+    assert len(got) == len(full) > 5 and vocab > 5
+    for a, b in zip(full, got):
+        if topk == 0 or topk >= vocab:
+            assert b.teacher_index is None and torch.equal(a.teacher, b.teacher)
+            continue
+        assert b.teacher.shape == (a.drafts.shape[0], topk) and b.teacher_index.shape == b.teacher.shape
+        want_values, want_index = top_k_rows(a.teacher, topk)
+        assert torch.equal(b.teacher_index, want_index) and torch.equal(b.teacher, want_values)
+        dense = b.teacher_rows()
+        assert dense.shape == a.teacher.shape and torch.allclose(dense.sum(-1), torch.ones(dense.shape[0]))
+        assert torch.equal(b.proximal_rows().gt(0).sum(-1), torch.full((dense.shape[0],), topk))
+        assert b.nbytes < a.nbytes
+    if topk == 0 or topk >= vocab:
+        assert got_loss == full_loss
+    else:
+        assert math.isfinite(got_loss) and got_loss != full_loss
 
 
 def test_tts_moves_the_draft_towards_the_target():

@@ -61,8 +61,9 @@ def add_parser(sub) -> None:
         help="K, sampled draft paths per request for --verify gbv (None: 3 for gbv, 1 for chain/block)",
     )
     p.add_argument(
-        "--verify-impl", default="auto", choices=["auto", "compiled", "reference"],
-        help="verification implementation: fused C++/CUDA kernel, float64 reference, or auto (kernel if built)",
+        "--verify-impl", default="auto", choices=["auto", "compiled", "cupy", "reference"],
+        help="verification implementation: fused C++/CUDA kernel, CuPy JIT of the CUDA kernels, float64 reference, "
+             "or auto (kernel if built, else CuPy on CUDA, else reference)",
     )
     av = p.add_argument_group("adaptive verification (chain / block)")
     av.add_argument("--adaptive-verification", action="store_true",
@@ -102,6 +103,9 @@ def add_parser(sub) -> None:
                      help="roll back when the rolling acceptance length < (1 - margin) x the pre-adaptation one")
     tts.add_argument("--tts-context-window", type=int, default=64,
                      help="committed tokens of context the differentiable draft forward sees")
+    tts.add_argument("--tts-topk", type=int, default=0,
+                     help="keep only the target's top-k probabilities per supervised position in the snapshots "
+                          "(0: the full vocabulary, exact KL; k > 0 saves snapshot memory)")
     tts.add_argument("--tts-sync", action="store_true",
                      help="run updates inline at the boundary instead of on a background thread (debugging)")
     p.add_argument("--ignore-eos", action="store_true",
@@ -325,7 +329,7 @@ def _tts_config(args):
         position_decay=args.tts_position_decay, params=args.tts_params, lora_rank=args.tts_lora_rank,
         scope=args.tts_scope,
         supervise=args.tts_supervise, rounds=args.tts_rounds, rollback_margin=args.tts_rollback_margin,
-        context_window=args.tts_context_window,
+        context_window=args.tts_context_window, topk=args.tts_topk,
     )
 
 

@@ -78,8 +78,9 @@ class SpeculativeEngine:
             ``None``. It sees every verified round; weights change only at its publish boundaries.
         ignore_eos: keep decoding past EOS tokens until ``max_new_tokens`` (long-generation measurements).
         seed: seeds the coins of verification (the draft carries its own generator).
-        verify_impl: ``auto`` (fused C++/CUDA kernel when available, else the float64 reference with a logged
-            warning), ``compiled`` or ``reference``; all give the same tokens for the same coins.
+        verify_impl: ``auto`` (fused C++/CUDA kernel when available, else on CUDA the CuPy JIT of the same kernels,
+            else the float64 reference, with a logged warning), ``compiled``, ``cupy`` or ``reference``
+            (:func:`specadapt.kernels.choose_implementation`); all give the same tokens for the same coins.
 
     Raises:
         ValueError: ``num_draft_tokens < 0``, an unknown verification rule or implementation.

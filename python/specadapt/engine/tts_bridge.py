@@ -45,10 +45,13 @@ class TTSExample:
     Attributes:
         context: draft-specific context (see the module docstring).
         drafts: ``[C] int64`` drafted tokens of the supervised positions.
-        teacher: ``[C, V'] float32`` target rows (over the draft vocabulary ``V'``).
-        proximal: ``[C, V'] float32`` the draft's rows ``q_t`` that drafted the round.
+        teacher: ``[C, V'] float32`` target rows (over the draft vocabulary ``V'``), or with ``--tts-topk k`` the
+            ``[C, k]`` renormalised top-k values whose token ids are ``teacher_index``.
+        proximal: ``[C, V'] float32`` the draft's rows ``q_t`` that drafted the round (top-k as ``teacher``).
         weights: ``[C] float32`` position weights.
         slot: the request's adapter slot (``--tts-scope request``), else 0.
+        teacher_index, proximal_index: ``[C, k] int32`` ids of the kept entries; ``None`` for dense rows.
+        vocab: ``V'``, the width of the dense rows.
     """
 
     context: Any
@@ -57,12 +60,41 @@ class TTSExample:
     proximal: torch.Tensor
     weights: torch.Tensor
     slot: int = 0
+    teacher_index: torch.Tensor | None = None
+    proximal_index: torch.Tensor | None = None
+    vocab: int | None = None
 
     @property
     def nbytes(self) -> int:
         parts = list(self.context) if isinstance(self.context, tuple) else [self.context]
-        tensors = parts + [self.drafts, self.teacher, self.proximal, self.weights]
+        tensors = parts + [self.drafts, self.teacher, self.proximal, self.weights, self.teacher_index,
+                           self.proximal_index]
         return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
+    def teacher_rows(self) -> torch.Tensor:
+        """``[C, V']`` dense teacher rows (zeros outside the top-k when truncated)."""
+        return _dense(self.teacher, self.teacher_index, self.vocab)
+
+    def proximal_rows(self) -> torch.Tensor:
+        """``[C, V']`` dense drafting rows ``q_t`` (zeros outside the top-k when truncated)."""
+        return _dense(self.proximal, self.proximal_index, self.vocab)
+
+
+def top_k_rows(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest entries of each row of ``rows [C, V]``, renormalised to sum 1 (rows without mass stay 0).
+
+    Returns ``(values [C, k] float32, indices [C, k] int32)``.
+    """
+    values, indices = rows.topk(k, dim=-1)
+    mass = values.sum(dim=-1, keepdim=True)
+    values = torch.where(mass > 0, values / mass.clamp_min(1e-30), torch.zeros(()))
+    return values.float().contiguous(), indices.to(torch.int32).contiguous()
+
+
+def _dense(values: torch.Tensor, index: torch.Tensor | None, vocab: int | None) -> torch.Tensor:
+    if index is None:
+        return values
+    return torch.zeros(values.shape[0], vocab, dtype=values.dtype).scatter_(1, index.long(), values)
 
 
 class EngineTTS:
@@ -162,14 +194,20 @@ class EngineTTS:
                 continue
             context = self.draft.tts_context(r, histories[r], self.config.context_window)
             slot = int(self.slots.rows[r]) if self.slots is not None else 0
-            examples.append(TTSExample(context, drafts[r, :c].clone(), teacher, proximal, w.clone(), slot))
+            vocab = teacher.shape[1]
+            teacher_index = proximal_index = None
+            if 0 < self.config.topk < vocab:
+                teacher, teacher_index = top_k_rows(teacher, self.config.topk)
+                proximal, proximal_index = top_k_rows(proximal, self.config.topk)
+            examples.append(TTSExample(context, drafts[r, :c].clone(), teacher, proximal, w.clone(), slot,
+                                       teacher_index, proximal_index, vocab))
         drafted = num_drafted > 0
         mean_accept = float((accept_len[drafted] + 1).double().mean()) if bool(drafted.any()) else None
         self.updater.end_round(examples, mean_accept)
 
     def _loss(self, module: torch.nn.Module, examples: list[TTSExample]) -> torch.Tensor:
         width = max(ex.drafts.shape[0] for ex in examples)
-        vocab = examples[0].teacher.shape[1]
+        vocab = examples[0].vocab if examples[0].vocab is not None else examples[0].teacher.shape[1]
         n = len(examples)
         device = next(p for p in module.parameters()).device
         student = []
@@ -191,8 +229,8 @@ class EngineTTS:
                 if c < width:
                     logits = torch.cat([logits, logits.new_zeros(width - c, logits.shape[1])])
                 student.append(logits)
-            teacher[i, :c] = ex.teacher
-            proximal[i, :c] = ex.proximal
+            teacher[i, :c] = ex.teacher_rows()
+            proximal[i, :c] = ex.proximal_rows()
             weights[i, :c] = ex.weights
         if batched is None:
             student = torch.stack(student)

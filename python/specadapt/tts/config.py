@@ -34,6 +34,10 @@ class TTSConfig:
             decays on long outputs without any fault of the updates; only a collapse should trigger a rollback.
         rollback_window: rounds in the rolling acceptance length.
         context_window: committed tokens of context the differentiable draft forward sees per example.
+        topk: 0 (default): the KL terms over the full (draft) vocabulary in float32, the spec's default. ``k > 0``:
+            snapshots keep only the target's top-k probabilities per position (and the drafting rows' top-k for
+            the proximal term), renormalised, as values + indices: snapshot memory falls by about ``V / (2k)``
+            (the spec's memory-saving flag); the KL is then taken against the truncated teacher.
     """
 
     stride: int = 5
@@ -49,6 +53,7 @@ class TTSConfig:
     rollback_margin: float = 0.5
     rollback_window: int = 32
     context_window: int = 64
+    topk: int = 0
 
     def __post_init__(self) -> None:
         checks = [
@@ -67,6 +72,7 @@ class TTSConfig:
             (0 < self.rollback_margin <= 1, f"--tts-rollback-margin must lie in (0, 1], got {self.rollback_margin}"),
             (self.rollback_window >= 1, f"TTS rollback_window must be >= 1, got {self.rollback_window}"),
             (self.context_window >= 1, f"--tts-context-window must be >= 1, got {self.context_window}"),
+            (self.topk >= 0, f"--tts-topk must be >= 0 (0 = the full vocabulary), got {self.topk}"),
         ]
         for ok, message in checks:  # messages name the CLI flag of each setting (shared by every front end)
             if not ok:
