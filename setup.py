@@ -51,7 +51,8 @@ def _extension():
     # -fno-trapping-math / -fno-signed-zeros let GCC turn the max(x, 0) selects of the verification loops into
     # vector blends (no reassociation: results stay bit-identical to the sequential double arithmetic).
     # No -std flag: BuildExtension picks the standard the installed torch needs (C++17 for 2.13, C++20 for 2.14).
-    cxx_flags = ["-O3", "-fopenmp", "-fno-trapping-math", "-fno-signed-zeros"]
+    # -ffp-contract=off: no FMA contraction in the AVX2 / AVX-512 clones of csrc/cpu/simd_sums.cpp either.
+    cxx_flags = ["-O3", "-fopenmp", "-fno-trapping-math", "-fno-signed-zeros", "-ffp-contract=off"]
     if _want_cuda():
         if "TORCH_CUDA_ARCH_LIST" not in os.environ and not torch.cuda.is_available():
             # No GPU to detect the architecture from (a build machine): Ampere and Hopper, plus PTX for newer GPUs.

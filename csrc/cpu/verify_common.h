@@ -5,7 +5,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
+
+#include <c10/util/BFloat16.h>
+
+#include "simd_sums.h"
 
 namespace specadapt {
 namespace cpu {
@@ -25,16 +30,33 @@ inline double draft_ratio(double p, double q) {
   return p > 0.0 ? 1.0 : 0.0;
 }
 
+// float32 / bfloat16 rows go to the multi-versioned loops of simd_sums.cpp (AVX-512 / AVX2 / SSE2 picked at load).
+template <typename T, typename Q>
+constexpr bool kSimdF32 = std::is_same_v<T, float> && std::is_same_v<Q, float>;
+template <typename T, typename Q>
+constexpr bool kSimdBF16 = std::is_same_v<T, c10::BFloat16> && std::is_same_v<Q, c10::BFloat16>;
+
+template <typename T>
+inline const uint16_t* bf16_bits(const T* x) {
+  return reinterpret_cast<const uint16_t*>(x);
+}
+
 // sum_v max(w * p[v] - q[v], 0), q given as a row of T or of double.
 template <typename T, typename Q>
 inline double residual_mass(const T* p, const Q* q, double w, int64_t vocab) {
-  double acc = 0.0;
+  if constexpr (kSimdF32<T, Q>) {
+    return simd::residual_sum_f32(p, q, w, vocab);
+  } else if constexpr (kSimdBF16<T, Q>) {
+    return simd::residual_sum_bf16(bf16_bits(p), bf16_bits(q), w, vocab);
+  } else {
+    double acc = 0.0;
 #pragma omp simd reduction(+ : acc)
-  for (int64_t v = 0; v < vocab; ++v) {
-    const double d = w * clean(p[v]) - clean(q[v]);
-    acc += d > 0.0 ? d : 0.0;
+    for (int64_t v = 0; v < vocab; ++v) {
+      const double d = w * clean(p[v]) - clean(q[v]);
+      acc += d > 0.0 ? d : 0.0;
+    }
+    return acc;
   }
-  return acc;
 }
 
 inline double row_mass(const double* w, int64_t vocab) {
@@ -53,18 +75,25 @@ inline double residual_weight(const T* p, const Q* q, double w, bool use_p, int6
 
 template <typename T, typename Q>
 inline double residual_sum(const T* p, const Q* q, double w, bool use_p, int64_t begin, int64_t end) {
-  double acc = 0.0;
-  if (use_p) {
-#pragma omp simd reduction(+ : acc)
-    for (int64_t v = begin; v < end; ++v) acc += clean(p[v]);
+  if constexpr (kSimdF32<T, Q>) {
+    return use_p ? simd::mass_f32(p + begin, end - begin) : simd::residual_sum_f32(p + begin, q + begin, w, end - begin);
+  } else if constexpr (kSimdBF16<T, Q>) {
+    return use_p ? simd::mass_bf16(bf16_bits(p + begin), end - begin)
+                 : simd::residual_sum_bf16(bf16_bits(p + begin), bf16_bits(q + begin), w, end - begin);
   } else {
+    double acc = 0.0;
+    if (use_p) {
 #pragma omp simd reduction(+ : acc)
-    for (int64_t v = begin; v < end; ++v) {
-      const double d = w * clean(p[v]) - clean(q[v]);
-      acc += d > 0.0 ? d : 0.0;
+      for (int64_t v = begin; v < end; ++v) acc += clean(p[v]);
+    } else {
+#pragma omp simd reduction(+ : acc)
+      for (int64_t v = begin; v < end; ++v) {
+        const double d = w * clean(p[v]) - clean(q[v]);
+        acc += d > 0.0 ? d : 0.0;
+      }
     }
+    return acc;
   }
-  return acc;
 }
 
 // Inverse CDF over the unnormalised residual max(w * p - q, 0) (or p itself when q == nullptr). Picks the
