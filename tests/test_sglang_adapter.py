@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -381,6 +382,36 @@ def test_tts_history_inputs_line_up():
     assert second.features[:, 0].tolist() == [0, 1, 10, 11]
     with pytest.raises(ValueError, match="outside"):
         tts.record(snap, [4])
+
+
+def test_tts_topk_snapshots_densify_to_the_truncated_teacher():
+    """--tts-topk k in the plugin: examples hold k values + ids; the loss sees the renormalised top-k rows; k >= V
+    keeps the dense rows (the exact full-vocabulary loss)."""
+    from specadapt.tts import top_k_rows
+
+    g = torch.Generator().manual_seed(5)
+    vi, b, lo = _round(g, batch=2, slots=4)
+    examples, losses = {}, {}
+    for k in (0, 3, 10_000):
+        draft, student = _student()
+        tts = SGLangTTS(student, PluginConfig(tts=True, tts_topk=k), asynchronous=False)
+        snap = tts.snapshot([r.rid for r in b.reqs], vi.draft_token, lo.hidden_states, lo.next_token_logits,
+                            b.sampling_info.temperatures, vi.draft_probs)
+        tts.record(snap, [2, 1])
+        examples[k] = tts._pending[:]
+        with torch.no_grad():
+            losses[k] = float(tts._loss(tts.updater.shadow, examples[k]))
+    full, cut = examples[0], examples[3]
+    assert all(ex.teacher_index is None for ex in full + examples[10_000])
+    for a, c in zip(full, cut):
+        values, index = top_k_rows(a.teacher, 3)
+        assert c.teacher.shape == (a.teacher.shape[0], 3) and torch.equal(c.teacher_index, index)
+        assert torch.equal(c.teacher, values) and c.nbytes() < a.nbytes()
+        if a.drafted is not None:
+            assert c.drafted_index is not None and c.drafted.shape[-1] == 3
+    assert losses[10_000] == losses[0] and math.isfinite(losses[3]) and losses[3] != losses[0]
+    with pytest.raises(PluginConfigError, match="--tts-topk"):
+        PluginConfig(tts=True, tts_topk=-1)
 
 
 def test_tts_updates_lower_the_loss():

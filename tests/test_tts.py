@@ -294,20 +294,22 @@ def test_student_forward_reproduces_the_rows_the_round_was_drafted_from(tiny_tar
 
 
 def test_top_k_rows_keep_the_largest_entries_renormalised():
-    from specadapt.engine.tts_bridge import top_k_rows
+    from specadapt.tts import top_k_rows
 
     rows = torch.tensor([[0.1, 0.5, 0.0, 0.4], [0.0, 0.0, 0.0, 0.0]])
     values, index = top_k_rows(rows, 2)
     assert index.dtype == torch.int32 and index[0].tolist() == [1, 3]
     torch.testing.assert_close(values[0], torch.tensor([5 / 9, 4 / 9]))
     assert values[1].abs().sum() == 0  # a row without mass stays without mass
+    with pytest.raises(ValueError, match="--tts-topk"):
+        top_k_rows(rows, 5)
 
 
 @pytest.mark.parametrize("topk", [0, 5, 10_000])
 def test_tts_topk_snapshots(tiny_target, topk):
     """--tts-topk k: snapshots hold k values + ids per position; densified, they are the renormalised top-k of the
     full rows; k >= V keeps the dense rows, so the loss is the spec's exact full-vocabulary KL."""
-    from specadapt.engine.tts_bridge import top_k_rows
+    from specadapt.tts import top_k_rows
 
     params = SamplingParams(0.9)
     seen = {}

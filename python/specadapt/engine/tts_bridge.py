@@ -26,9 +26,11 @@ from ..tts import (
     TTSUpdater,
     add_lora,
     add_per_request_lora,
+    dense_rows,
     find_lora_slots,
     position_weights,
     supervised_counts,
+    top_k_rows,
     tts_loss,
 )
 from ..tts.lora import PerRequestLoRALinear
@@ -73,28 +75,11 @@ class TTSExample:
 
     def teacher_rows(self) -> torch.Tensor:
         """``[C, V']`` dense teacher rows (zeros outside the top-k when truncated)."""
-        return _dense(self.teacher, self.teacher_index, self.vocab)
+        return dense_rows(self.teacher, self.teacher_index, self.vocab)
 
     def proximal_rows(self) -> torch.Tensor:
         """``[C, V']`` dense drafting rows ``q_t`` (zeros outside the top-k when truncated)."""
-        return _dense(self.proximal, self.proximal_index, self.vocab)
-
-
-def top_k_rows(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` largest entries of each row of ``rows [C, V]``, renormalised to sum 1 (rows without mass stay 0).
-
-    Returns ``(values [C, k] float32, indices [C, k] int32)``.
-    """
-    values, indices = rows.topk(k, dim=-1)
-    mass = values.sum(dim=-1, keepdim=True)
-    values = torch.where(mass > 0, values / mass.clamp_min(1e-30), torch.zeros(()))
-    return values.float().contiguous(), indices.to(torch.int32).contiguous()
-
-
-def _dense(values: torch.Tensor, index: torch.Tensor | None, vocab: int | None) -> torch.Tensor:
-    if index is None:
-        return values
-    return torch.zeros(values.shape[0], vocab, dtype=values.dtype).scatter_(1, index.long(), values)
+        return dense_rows(self.proximal, self.proximal_index, self.vocab)
 
 
 class EngineTTS:

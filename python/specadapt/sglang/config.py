@@ -68,7 +68,7 @@ class PluginConfig:
             ragged-verify deployment makes the caps prune.
         tts: Test-Time Speculation on the draft model.
         tts_stride, tts_lr, tts_lambda, tts_position_decay, tts_params, tts_lora_rank, tts_rollback_margin,
-            tts_context_window: as the embedded engine's ``--tts-*`` flags (docs/tts.md).
+            tts_context_window, tts_topk: as the embedded engine's ``--tts-*`` flags (docs/tts.md).
         seed: seed of the coins the plugin draws when SGLang hands it none (DFLASH acceptance).
     """
 
@@ -89,6 +89,7 @@ class PluginConfig:
     tts_lora_rank: int = 8
     tts_rollback_margin: float = 0.5
     tts_context_window: int = 64
+    tts_topk: int = 0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -135,7 +136,8 @@ class PluginConfig:
 
         return TTSConfig(stride=self.tts_stride, lr=self.tts_lr, proximal_weight=self.tts_lambda,
                          position_decay=self.tts_position_decay, params=self.tts_params, lora_rank=self.tts_lora_rank,
-                         rollback_margin=self.tts_rollback_margin, context_window=self.tts_context_window)
+                         rollback_margin=self.tts_rollback_margin, context_window=self.tts_context_window,
+                         topk=self.tts_topk)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-serialisable), the form carried on ``ServerArgs._specadapt``."""

@@ -37,6 +37,7 @@ FLAG_DESTS = {
     "tts_lora_rank": "tts_lora_rank",
     "tts_rollback_margin": "tts_rollback_margin",
     "tts_context_window": "tts_context_window",
+    "tts_topk": "tts_topk",
 }
 
 
@@ -81,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"roll back when acceptance falls below (1 - margin) x baseline (default {_D.tts_rollback_margin})")
     g.add_argument("--tts-context-window", type=int, default=None,
                    help=f"committed tokens of context the training forward sees (default {_D.tts_context_window})")
+    g.add_argument("--tts-topk", type=int, default=None,
+                   help=f"keep the target's top-k per supervised position in snapshots; 0 = full vocabulary "
+                        f"(default {_D.tts_topk})")
 
 
 def config_from_namespace(args: argparse.Namespace) -> PluginConfig:

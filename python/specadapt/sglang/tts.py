@@ -31,6 +31,7 @@ from torch import nn
 
 from ..tts import TTSUpdater
 from ..tts.loss import position_weights, supervised_counts, tts_loss
+from ..tts.topk import dense_rows, top_k_rows
 from .config import PluginConfig
 
 logger = logging.getLogger("specadapt.sglang")
@@ -70,10 +71,13 @@ class TTSExample:
     Attributes:
         features: ``[T, H]`` inputs' preceding target features (context then the round).
         tokens: ``[T]`` int64 inputs (context tokens then the round's verified tokens except the last).
-        teacher: ``[L, V_d]`` target law at the round's draft positions.
-        drafted: ``[L, V_d]`` the q rows the drafts were sampled from, or ``None``.
+        teacher: ``[L, V_d]`` target law at the round's draft positions (with ``--tts-topk k``: ``[L, k]`` values
+            at the ids ``teacher_index``).
+        drafted: ``[L, V_d]`` the q rows the drafts were sampled from (top-k as ``teacher``), or ``None``.
         accepted: drafts accepted (tau).
         first_valid: 1 when the request had no committed history (position 1 has no preceding feature).
+        teacher_index, drafted_index: ``[L, k] int32`` ids of the kept entries, ``None`` for dense rows.
+        vocab: ``V_d``.
     """
 
     features: torch.Tensor
@@ -82,10 +86,13 @@ class TTSExample:
     drafted: torch.Tensor | None
     accepted: int
     first_valid: int
+    teacher_index: torch.Tensor | None = None
+    drafted_index: torch.Tensor | None = None
+    vocab: int | None = None
 
     def nbytes(self) -> int:
-        tensors = [self.features, self.tokens, self.teacher] + ([self.drafted] if self.drafted is not None else [])
-        return sum(t.numel() * t.element_size() for t in tensors)
+        tensors = [self.features, self.tokens, self.teacher, self.drafted, self.teacher_index, self.drafted_index]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 class SGLangTTS:
@@ -175,10 +182,18 @@ class SGLangTTS:
                 prev = ctx_feats[-1] if hist else torch.zeros_like(feats[0])
                 in_tokens = torch.stack(ctx_toks[1:] + list(toks[: slots - 1]))
                 in_feats = torch.stack(ctx_feats[:-1] + [prev] + list(feats[: slots - 2]))
+                teacher = snap["teacher"][b, : slots - 1]
+                drafted = None if snap["drafted"] is None else snap["drafted"][b]
+                vocab = teacher.shape[-1]
+                teacher_index = drafted_index = None
+                if 0 < self.config.topk < vocab:
+                    teacher, teacher_index = top_k_rows(teacher, self.config.topk)
+                    if drafted is not None:
+                        drafted, drafted_index = top_k_rows(drafted, self.config.topk)
                 self._pending.append(TTSExample(
-                    features=in_feats, tokens=in_tokens, teacher=snap["teacher"][b, : slots - 1],
-                    drafted=None if snap["drafted"] is None else snap["drafted"][b], accepted=tau,
-                    first_valid=0 if hist else 1,
+                    features=in_feats, tokens=in_tokens, teacher=teacher, drafted=drafted, accepted=tau,
+                    first_valid=0 if hist else 1, teacher_index=teacher_index, drafted_index=drafted_index,
+                    vocab=vocab,
                 ))
             for j in range(tau + 1):  # committed slots: the last committed token and the accepted drafts
                 hist.append((feats[j], toks[j]))
@@ -211,8 +226,9 @@ class SGLangTTS:
         feats = ref.features.new_zeros(n, length, ref.features.shape[-1])
         tokens = torch.zeros(n, length, dtype=torch.int64, device=device)
         mask = torch.zeros(n, length, dtype=torch.bool, device=device)
-        teacher = ref.teacher.new_zeros(n, width, ref.teacher.shape[-1])
-        drafted = None if ref.drafted is None else ref.teacher.new_zeros(n, width, ref.teacher.shape[-1])
+        vocab = ref.vocab if ref.vocab is not None else ref.teacher.shape[-1]
+        teacher = ref.teacher.new_zeros(n, width, vocab)
+        drafted = None if ref.drafted is None else ref.teacher.new_zeros(n, width, vocab)
         accepted = torch.zeros(n, dtype=torch.int64)
         num = torch.zeros(n, dtype=torch.int64)
         first = torch.zeros(n, dtype=torch.int64)
@@ -222,9 +238,9 @@ class SGLangTTS:
             tokens[i, :t] = ex.tokens
             mask[i, :t] = True
             w = ex.teacher.shape[0]
-            teacher[i, :w] = ex.teacher
+            teacher[i, :w] = dense_rows(ex.teacher, ex.teacher_index, vocab)
             if drafted is not None and ex.drafted is not None:
-                drafted[i, :w] = ex.drafted
+                drafted[i, :w] = dense_rows(ex.drafted, ex.drafted_index, vocab)
             accepted[i], num[i], first[i] = ex.accepted, w, ex.first_valid
         logits = self.student.logits(module, feats, tokens, mask)  # [n, length, V_d]
         # the round's L positions are the last L valid inputs of each row

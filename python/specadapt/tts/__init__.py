@@ -10,6 +10,7 @@ engine and the SGLang plugin supply the draft's differentiable forward as ``loss
 from .config import TTSConfig
 from .lora import LoRALinear, LoRASlots, PerRequestLoRALinear, add_lora, add_per_request_lora, find_lora_slots
 from .loss import position_weights, supervised_counts, tts_loss
+from .topk import dense_rows, top_k_rows
 from .updater import TTSStats, TTSUpdater
 
 __all__ = [
@@ -21,8 +22,10 @@ __all__ = [
     "TTSUpdater",
     "add_lora",
     "add_per_request_lora",
+    "dense_rows",
     "find_lora_slots",
     "position_weights",
     "supervised_counts",
+    "top_k_rows",
     "tts_loss",
 ]
