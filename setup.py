@@ -65,7 +65,9 @@ def _extension():
             sources,
             include_dirs=_pip_cuda_include_dirs(),
             library_dirs=_cuda_library_dirs(),
-            extra_compile_args={"cxx": cxx_flags + ["-DSPECADAPT_WITH_CUDA"], "nvcc": ["-O3"]},
+            # --fmad=false: like -ffp-contract=off on the CPU side, products and differences round as in the
+            # float64 reference (the kernels are memory-bound; FMA would only change rounding).
+            extra_compile_args={"cxx": cxx_flags + ["-DSPECADAPT_WITH_CUDA"], "nvcc": ["-O3", "--fmad=false"]},
             extra_link_args=["-fopenmp"],
             py_limited_api=True,
         )

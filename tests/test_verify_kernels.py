@@ -96,6 +96,35 @@ def test_chi_square_detects_a_biased_sampler():
     assert chi_square_pvalue(out.output_tokens, out.accept_len, exact, rounds) < 1e-6
 
 
+def test_gbv_kernel_keeps_q_g_in_double():
+    """The GBV kernel block-verifies with q_G in float64, as the reference: a coin between the float32- and
+    float64-rounded acceptance probability must give the same decision (the toy of spec section 3, K = 2)."""
+    p = torch.tensor([1 / 3, 2 / 3], dtype=torch.float32).expand(1, 2, 2, 2).contiguous()
+    q = torch.tensor([2 / 3, 1 / 3], dtype=torch.float32).expand(1, 2, 1, 2).contiguous()
+    cand = torch.zeros(1, 2, 2, dtype=torch.int64)  # both paths draft token 0
+    u = torch.tensor([[0.74999997206]], dtype=torch.float64)  # h = 0.74999997765 in float64, 0.74999996647 via fp32
+    uf = torch.tensor([0.5], dtype=torch.float64)
+    ref = gbv_reference(cand, p, q, u, uf)
+    got = kernels.gbv_verify(cand, p, q, u, uf, impl="compiled")
+    assert int(ref.accept_len) == 1
+    assert torch.equal(got.accept_len, ref.accept_len) and torch.equal(got.output_tokens, ref.output_tokens)
+
+
+@pytest.mark.parametrize("impl", ["reference", "compiled"])
+@pytest.mark.parametrize("which_path", [0, 1])
+def test_gbv_drafted_token_without_draft_mass_is_an_error(impl, which_path):
+    """A GBV path must be sampled from q: a drafted child with q = 0 at a walked node raises in both
+    implementations, whichever path drafted it (q = 0 ranks highest, ratio +inf, so it would be walked)."""
+    cand, p, q, u, uf = _tree_batch(1, 2, 2, 12, 3, torch.float32)
+    x = int(cand[0, 0, 1])
+    cand[0, 1, 1] = (x + 1) % 12  # two different children of the root (whose rows both paths share)
+    bad = int(cand[0, which_path, 1])
+    q[0, :, 0, bad] = 0.0
+    q[0, :, 0] /= q[0, :, 0].sum(-1, keepdim=True)
+    with pytest.raises(ValueError, match="sampled from q"):
+        kernels.gbv_verify(cand, p, q, u, uf, impl=impl)
+
+
 @pytest.mark.parametrize("rule", ["chain", "block"])
 def test_kernel_bad_inputs(rule):
     cand, p, q, u, uf = _random_batch(3, 2, 6, 0)

@@ -59,6 +59,7 @@ inline void check_gbv_args(const at::Tensor& candidates, const at::Tensor& targe
                   target_probs.size(2) == slots,
               "target_probs must be [B, K, L+1, V] = [", B, ", ", K, ", ", slots, ", V], got ", target_probs.sizes());
   const int64_t V = target_probs.size(3);
+  TORCH_CHECK(V >= 1, "target_probs must have a vocabulary of V >= 1 entries, got ", target_probs.sizes());
   TORCH_CHECK(draft_probs.dim() == 4 && draft_probs.size(0) == B && draft_probs.size(1) == K &&
                   draft_probs.size(2) == L && draft_probs.size(3) == V,
               "draft_probs must be [B, K, L, V] = [", B, ", ", K, ", ", L, ", ", V, "], got ", draft_probs.sizes());

@@ -1,7 +1,7 @@
 // Fused CPU kernel of greedy multi-path block verification, GBV (Thomas & Pal, arXiv 2602.16961;
 // specs/verification.md section 3). Per request: the walk down the tree of K i.i.d. paths ranks the vocabulary
-// by the key (p/q, token id) ascending (a sort per node; ratios in double order float32/bfloat16 inputs
-// exactly), builds q_G along the reached path, then runs block verification with q_G in place of q.
+// by the key (p/q, token id) ascending (a sort of q's support per node; ratios in double order float32/bfloat16
+// inputs exactly), builds q_G along the reached path, then runs block verification with q_G in place of q.
 // Requests run in parallel; each thread holds O(L * V) doubles of scratch, never a [B, L, V] tensor.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -37,7 +37,8 @@ void gbv_request(int64_t b, int64_t K, int64_t L, int64_t V, const int64_t* cand
   const scalar_t* q = q_all + b * K * L * V;
   std::vector<double> q_g(static_cast<size_t>(L * V));
   std::vector<double> ratio(V), cum(V);
-  std::vector<int64_t> order(V), rank(V);
+  std::vector<int64_t> order, rank(V);
+  order.reserve(V);
   std::vector<char> consistent(K, 1);
   double r = 0.0;
   for (int64_t d = 0; d < L; ++d) {
@@ -45,19 +46,24 @@ void gbv_request(int64_t b, int64_t K, int64_t L, int64_t V, const int64_t* cand
     while (!consistent[k0]) ++k0;
     const scalar_t* prow = p + (k0 * (L + 1) + d) * V;
     const scalar_t* qrow = q + (k0 * L + d) * V;
+    // Only the support of q needs ranking: a token with q = 0 adds no mass to any c_u and gets q_G = 0, and every
+    // drafted child has q > 0 (checked below). Under top-k / top-p drafting the support is a small part of V.
+    order.clear();
     for (int64_t v = 0; v < V; ++v) {
       const double qv = clean(qrow[v]);
-      ratio[v] = qv > 0.0 ? clean(prow[v]) / qv : std::numeric_limits<double>::infinity();
+      if (qv > 0.0) {
+        ratio[v] = clean(prow[v]) / qv;
+        order.push_back(v);
+      }
     }
-    std::iota(order.begin(), order.end(), 0);
     std::sort(order.begin(), order.end(), [&](int64_t a, int64_t c) {
       return ratio[a] < ratio[c] || (ratio[a] == ratio[c] && a < c);
     });
     double run = 0.0;
-    for (int64_t j = 0; j < V; ++j) {
+    for (size_t j = 0; j < order.size(); ++j) {
       run += clean(qrow[order[j]]);
       cum[order[j]] = run;
-      rank[order[j]] = j;
+      rank[order[j]] = static_cast<int64_t>(j);
     }
     const double denom = power_sum(r + 1.0, r, K);
     double* g = q_g.data() + d * V;
@@ -69,11 +75,12 @@ void gbv_request(int64_t b, int64_t K, int64_t L, int64_t V, const int64_t* cand
     for (int64_t k = 0; k < K; ++k) {
       if (!consistent[k]) continue;
       const int64_t x = cand[k * (L + 1) + d + 1];
+      // q = 0 ranks above every q > 0 token (ratio +inf), so such a child would be the one walked: an error.
+      TORCH_CHECK(clean(qrow[x]) > 0.0, "draft_probs gives zero probability to drafted token ", x, " at depth ", d,
+                  ": GBV paths must be sampled from q");
       if (child < 0 || rank[x] > rank[child]) child = x;
     }
     const double qt = clean(qrow[child]);
-    TORCH_CHECK(qt > 0.0, "draft_probs gives zero probability to drafted token ", child, " at depth ", d,
-                ": GBV paths must be sampled from q");
     r = (r + cum[child] - qt) / qt;
     for (int64_t k = 0; k < K; ++k) consistent[k] = consistent[k] && cand[k * (L + 1) + d + 1] == child;
   }

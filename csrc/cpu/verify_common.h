@@ -23,6 +23,9 @@ inline double clean(T x) {
   return (v > 0.0 && v < HUGE_VAL) ? v : 0.0;
 }
 
+// Rows computed in double (GBV's q_G) stay in double: no float rounding of the law block verification uses.
+inline double clean(double v) { return (v > 0.0 && v < HUGE_VAL) ? v : 0.0; }
+
 // p/q with the q = 0 rule (spec section 5): ratio 1 if p > 0, else 0. Not capped: block verification caps
 // the running product w_i = min(1, w_{i-1} * p/q), not each factor.
 inline double draft_ratio(double p, double q) {

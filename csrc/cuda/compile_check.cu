@@ -24,15 +24,17 @@ template __global__ void specadapt::cuda::irls_accumulate_kernel<128>(const doub
                                                                      const long long*, double*, long long, long long);
 #define SPECADAPT_GBV_INSTANTIATE(T)                                                                          \
   template __global__ void specadapt::cuda::gbv_walk_kernel<T, 32>(const T*, const T*, const int64_t*, int32_t*,    \
-                                                                   int32_t*, int64_t, int64_t, int64_t);         \
+                                                                   int32_t*, int32_t*, int64_t, int64_t, int64_t);\
   template __global__ void specadapt::cuda::gbv_fill_keys_kernel<T>(const T*, const T*, const int32_t*,            \
                                                                     const int32_t*, int64_t, double*, int32_t*,  \
                                                                     int64_t, int64_t, int64_t);                  \
   template __global__ void specadapt::cuda::gbv_depth_kernel<T>(const T*, const T*, const int64_t*, const int32_t*, \
-                                                                const int32_t*, double*, double*, double*,       \
+                                                                const int32_t*, const int32_t*, double*, double*, \
+                                                                double*,                                         \
                                                                 double*, int64_t, int64_t, int64_t, int64_t);    \
   template __global__ void specadapt::cuda::gbv_sample_kernel<T>(const T*, const T*, const int32_t*,               \
-                                                                 const int32_t*, const int32_t*, double*,        \
+                                                                 const int32_t*, const int32_t*, const int32_t*, \
+                                                                 double*,                                        \
                                                                  const double*, const double*, const double*,    \
                                                                  int32_t*, int32_t*, int64_t, int64_t, int64_t);
 SPECADAPT_GBV_INSTANTIATE(float)

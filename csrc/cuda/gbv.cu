@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <limits>
 #include <tuple>
 
 #include "../common/verify_checks.h"
@@ -22,7 +23,7 @@ constexpr int kThreads = 256;
 constexpr int kMaxPaths = 32;
 
 struct Workspace {
-  at::Tensor keys_in, keys_out, ids_in, ids_out, offsets, cum, r, weights, residual_mass, sort_temp;
+  at::Tensor keys_in, keys_out, ids_in, ids_out, offsets, cum, r, weights, residual_mass, node_path, sort_temp;
   size_t sort_temp_bytes = 0;
 };
 
@@ -51,6 +52,7 @@ void launch(const at::Tensor& cand, const at::Tensor& p, const at::Tensor& q, co
   w.r = at::empty({B, L + 1}, dopts);
   w.weights = at::empty({B, L + 1}, dopts);
   w.residual_mass = at::zeros({B, L}, dopts);
+  w.node_path = at::zeros({B, std::max<int64_t>(L, 1)}, iopts);
   C10_CUDA_CHECK(cub::DeviceSegmentedRadixSort::SortPairs(
       nullptr, w.sort_temp_bytes, w.keys_in.data_ptr<double>(), w.keys_out.data_ptr<double>(),
       w.ids_in.data_ptr<int32_t>(), w.ids_out.data_ptr<int32_t>(), B * V, B, w.offsets.data_ptr<int64_t>(),
@@ -61,17 +63,18 @@ void launch(const at::Tensor& cand, const at::Tensor& p, const at::Tensor& q, co
   const T* qp = reinterpret_cast<const T*>(q.data_ptr());
   const int64_t* c = cand.data_ptr<int64_t>();
   int32_t* chosen_ptr = chosen.data_ptr<int32_t>();
+  int32_t* node_ptr = w.node_path.data_ptr<int32_t>();
   const dim3 fill_grid(static_cast<unsigned>(B), static_cast<unsigned>(std::min<int64_t>((V + kThreads - 1) / kThreads, 64)));
 
-  cuda::gbv_walk_kernel<T, kMaxPaths><<<B, 32, 0, stream>>>(pp, qp, c, chosen_ptr, error.data_ptr<int32_t>(), K, L, V);
+  cuda::gbv_walk_kernel<T, kMaxPaths><<<B, 32, 0, stream>>>(pp, qp, c, chosen_ptr, node_ptr, error.data_ptr<int32_t>(), K, L, V);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   for (int64_t d = 0; d < L; ++d) {
     cuda::gbv_fill_keys_kernel<T><<<fill_grid, kThreads, 0, stream>>>(
-        pp, qp, chosen_ptr, nullptr, d, w.keys_in.data_ptr<double>(), w.ids_in.data_ptr<int32_t>(), K, L, V);
+        pp, qp, node_ptr, nullptr, d, w.keys_in.data_ptr<double>(), w.ids_in.data_ptr<int32_t>(), K, L, V);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     segmented_sort(w, B, V, stream);
     cuda::gbv_depth_kernel<T><<<B, kThreads, 0, stream>>>(
-        pp, qp, c, chosen_ptr, w.ids_out.data_ptr<int32_t>(), w.cum.data_ptr<double>(), w.r.data_ptr<double>(),
+        pp, qp, c, chosen_ptr, node_ptr, w.ids_out.data_ptr<int32_t>(), w.cum.data_ptr<double>(), w.r.data_ptr<double>(),
         w.weights.data_ptr<double>(), w.residual_mass.data_ptr<double>(), d, K, L, V);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
@@ -85,13 +88,13 @@ void launch(const at::Tensor& cand, const at::Tensor& p, const at::Tensor& q, co
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (L > 0) {
     cuda::gbv_fill_keys_kernel<T><<<fill_grid, kThreads, 0, stream>>>(
-        pp, qp, chosen_ptr, accept_len.data_ptr<int32_t>(), 0, w.keys_in.data_ptr<double>(),
+        pp, qp, node_ptr, accept_len.data_ptr<int32_t>(), 0, w.keys_in.data_ptr<double>(),
         w.ids_in.data_ptr<int32_t>(), K, L, V);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     segmented_sort(w, B, V, stream);
   }
   cuda::gbv_sample_kernel<T><<<B, kThreads, 0, stream>>>(
-      pp, qp, chosen_ptr, accept_len.data_ptr<int32_t>(), w.ids_out.data_ptr<int32_t>(), w.cum.data_ptr<double>(),
+      pp, qp, chosen_ptr, node_ptr, accept_len.data_ptr<int32_t>(), w.ids_out.data_ptr<int32_t>(), w.cum.data_ptr<double>(),
       w.r.data_ptr<double>(), w.weights.data_ptr<double>(), uf.data_ptr<double>(), output_tokens.data_ptr<int32_t>(),
       error.data_ptr<int32_t>(), K, L, V);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -105,7 +108,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gbv_verify_cuda(const at::Tensor&
   check_gbv_args(candidates, target_probs, draft_probs, uniforms, uniforms_final);
   const int64_t B = candidates.size(0), K = candidates.size(1), L = candidates.size(2) - 1, V = target_probs.size(3);
   TORCH_CHECK(K <= kMaxPaths, "the CUDA GBV kernel supports at most ", kMaxPaths, " paths, got K = ", K);
-  TORCH_CHECK(V < (int64_t{1} << 31), "the CUDA GBV kernel needs V < 2^31 (int32 token ids), got V = ", V);
+  // CUB's segmented radix sort counts items and segment offsets in int.
+  TORCH_CHECK(B * V <= std::numeric_limits<int>::max(), "the CUDA GBV kernel ranks B x V <= 2^31 - 1 keys per call, "
+              "got B = ", B, ", V = ", V, ": split the batch");
   const c10::cuda::CUDAGuard guard(candidates.device());
   const auto cand = candidates.to(at::kLong).contiguous();
   const auto p = target_probs.contiguous();

@@ -40,10 +40,10 @@ __device__ __forceinline__ double gbv_power_sum(double a, double b, int64_t K) {
   return s;
 }
 
-// q_G(x | u) from q(x | u), the inclusive cumulative mass c_u(x) and r of the node.
-__device__ __forceinline__ double gbv_q(double q, double c, double r, int64_t K) {
+// q_G(x | u) from q(x | u), the inclusive cumulative mass c_u(x), r of the node and denom = S_K(r + 1, r).
+__device__ __forceinline__ double gbv_q(double q, double c, double r, double denom, int64_t K) {
   if (!(q > 0.0)) return 0.0;
-  return q * gbv_power_sum(r + c, r + c - q, K) / gbv_power_sum(r + 1.0, r, K);
+  return q * gbv_power_sum(r + c, r + c - q, K) / denom;
 }
 
 // Row offsets of path k at depth d inside [B, K, L+1, V] (target) and [B, K, L, V] (draft).
@@ -55,13 +55,16 @@ __device__ __forceinline__ int64_t gbv_q_row(int64_t b, int64_t k, int64_t d, in
 }
 
 // 1. The walk. Thread 0 follows the children with the largest key among the paths still consistent with the
-// walked prefix; the path it reaches is the lowest-index consistent path (its rows are the node's rows).
-// Writes chosen_path[b]; sets error bit 2 when a drafted child has q = 0 (not a sample from q).
+// walked prefix; the path it reaches is the lowest-index consistent path. node_path[b, d] records the path whose
+// rows stand for the depth-d node (the lowest consistent index, as in the reference: rows of merged prefixes
+// repeat, but a draft need not reproduce them bit for bit). Writes chosen_path[b] and node_path [B, L]; sets
+// error bit 2 when a walked child has q = 0 (not a sample from q; the device path does not raise).
 // kMaxPaths bounds K (consistency flags in registers of thread 0).
 template <typename T, int kMaxPaths = 32>
 __global__ void gbv_walk_kernel(const T* __restrict__ target_probs, const T* __restrict__ draft_probs,
                                 const int64_t* __restrict__ candidates, int32_t* __restrict__ chosen_path,
-                                int32_t* __restrict__ error, int64_t K, int64_t L, int64_t V) {
+                                int32_t* __restrict__ node_path, int32_t* __restrict__ error, int64_t K, int64_t L,
+                                int64_t V) {
   if (threadIdx.x != 0) return;
   const int64_t b = blockIdx.x;
   const int64_t* cand = candidates + b * K * (L + 1);
@@ -70,6 +73,7 @@ __global__ void gbv_walk_kernel(const T* __restrict__ target_probs, const T* __r
   for (int64_t d = 0; d < L; ++d) {
     int64_t k0 = 0;
     while (!consistent[k0]) ++k0;
+    node_path[b * L + d] = static_cast<int32_t>(k0);
     const T* p = target_probs + gbv_p_row(b, k0, d, K, L, V);
     const T* q = draft_probs + gbv_q_row(b, k0, d, K, L, V);
     int64_t child = -1;
@@ -91,17 +95,17 @@ __global__ void gbv_walk_kernel(const T* __restrict__ target_probs, const T* __r
   chosen_path[b] = static_cast<int32_t>(chosen);
 }
 
-// 2a / 4a. keys[b, v] = p/q of token v at the node of depth depth(b) on the chosen path, ids[b, v] = v.
-// depth(b) = depth when depth_per_request is null, else depth_per_request[b] (rows with depth >= L get key 0:
-// they need no ranking). Grid: (B, ceil(V / blockDim.x / items)) blocks; any block size.
+// 2a / 4a. keys[b, v] = p/q of token v at the node of depth depth(b) on the walked path (rows of node_path),
+// ids[b, v] = v. depth(b) = depth when depth_per_request is null, else depth_per_request[b] (rows with
+// depth >= L get key 0: they need no ranking). Grid: (B, any) blocks; any block size.
 template <typename T>
 __global__ void gbv_fill_keys_kernel(const T* __restrict__ target_probs, const T* __restrict__ draft_probs,
-                                     const int32_t* __restrict__ chosen_path, const int32_t* __restrict__ depth_per_request,
+                                     const int32_t* __restrict__ node_path, const int32_t* __restrict__ depth_per_request,
                                      int64_t depth, double* __restrict__ keys, int32_t* __restrict__ ids, int64_t K,
                                      int64_t L, int64_t V) {
   const int64_t b = blockIdx.x;
   const int64_t d = depth_per_request ? depth_per_request[b] : depth;
-  const int64_t k = chosen_path[b];
+  const int64_t k = d < L ? node_path[b * L + d] : 0;
   const T* p = target_probs + gbv_p_row(b, k, d < L ? d : 0, K, L, V);
   const T* q = draft_probs + gbv_q_row(b, k, d < L ? d : 0, K, L, V);
   for (int64_t v = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x; v < V;
@@ -134,18 +138,19 @@ __device__ void gbv_cumulative(const T* q, const int32_t* sorted_ids, double* cu
 
 // 2b. Depth d of the chosen path, one block per request: c_u for every token, then (thread 0) q_G of the drafted
 // token, w_{d+1} = min(1, w_d p/q_G) and r of the next node; Z_d = sum_v max(w_d p - q_G, 0) for d >= 1.
+// q (hence c_u and q_G) comes from the node's rows (node_path), p from the chosen path, as in the CPU kernel.
 // State per request: r [B, L+1] (r before depth d; r[b, 0] = 0 is written here at d = 0), weights [B, L+1]
 // (weights[b, 0] = 1 written at d = 0), residual_mass [B, L] (Z_d, column 0 unused).
 template <typename T>
 __global__ void gbv_depth_kernel(const T* __restrict__ target_probs, const T* __restrict__ draft_probs,
                                  const int64_t* __restrict__ candidates, const int32_t* __restrict__ chosen_path,
-                                 const int32_t* __restrict__ sorted_ids, double* __restrict__ cum,
-                                 double* __restrict__ r, double* __restrict__ weights,
+                                 const int32_t* __restrict__ node_path, const int32_t* __restrict__ sorted_ids,
+                                 double* __restrict__ cum, double* __restrict__ r, double* __restrict__ weights,
                                  double* __restrict__ residual_mass, int64_t depth, int64_t K, int64_t L, int64_t V) {
   __shared__ double scratch[33];
   const int64_t b = blockIdx.x, d = depth, k = chosen_path[b];
   const T* p = target_probs + gbv_p_row(b, k, d, K, L, V);
-  const T* q = draft_probs + gbv_q_row(b, k, d, K, L, V);
+  const T* q = draft_probs + gbv_q_row(b, node_path[b * L + d], d, K, L, V);
   double* c = cum + b * V;
   gbv_cumulative(q, sorted_ids + b * V, c, V, scratch);
   if (d == 0 && threadIdx.x == 0) {
@@ -155,10 +160,11 @@ __global__ void gbv_depth_kernel(const T* __restrict__ target_probs, const T* __
   __syncthreads();
   const double r_d = r[b * (L + 1) + d];
   const double w_d = weights[b * (L + 1) + d];
+  const double denom = gbv_power_sum(r_d + 1.0, r_d, K);
   if (d >= 1) {
     double local = 0.0;
     for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
-      const double diff = w_d * prob(p[v]) - gbv_q(prob(q[v]), c[v], r_d, K);
+      const double diff = w_d * prob(p[v]) - gbv_q(prob(q[v]), c[v], r_d, denom, K);
       local += diff > 0.0 ? diff : 0.0;
     }
     const double z = block_sum(local, scratch);
@@ -167,7 +173,7 @@ __global__ void gbv_depth_kernel(const T* __restrict__ target_probs, const T* __
   if (threadIdx.x == 0) {
     const int64_t t = candidates[(b * K + k) * (L + 1) + d + 1];
     const double qt = prob(q[t]);
-    const double ratio = draft_ratio(prob(p[t]), gbv_q(qt, c[t], r_d, K));
+    const double ratio = draft_ratio(prob(p[t]), gbv_q(qt, c[t], r_d, denom, K));
     const double w = w_d * ratio;
     weights[b * (L + 1) + d + 1] = w < 1.0 ? w : 1.0;
     r[b * (L + 1) + d + 1] = qt > 0.0 ? (r_d + c[t] - qt) / qt : 0.0;
@@ -241,7 +247,8 @@ __device__ int64_t block_inverse_cdf(F weight, double mass, double u, int64_t V,
 // sets error bit 1 when p has no mass.
 template <typename T>
 __global__ void gbv_sample_kernel(const T* __restrict__ target_probs, const T* __restrict__ draft_probs,
-                                  const int32_t* __restrict__ chosen_path, const int32_t* __restrict__ accept_len,
+                                  const int32_t* __restrict__ chosen_path, const int32_t* __restrict__ node_path,
+                                  const int32_t* __restrict__ accept_len,
                                   const int32_t* __restrict__ sorted_ids, double* __restrict__ cum,
                                   const double* __restrict__ r, const double* __restrict__ weights,
                                   const double* __restrict__ uniforms_final, int32_t* __restrict__ output_tokens,
@@ -256,9 +263,10 @@ __global__ void gbv_sample_kernel(const T* __restrict__ target_probs, const T* _
   double* c = cum + b * V;
   const double w = weights[b * (L + 1) + tau];
   const double r_tau = r[b * (L + 1) + (tau < L ? tau : 0)];
-  const T* q = draft_probs + gbv_q_row(b, k, tau < L ? tau : 0, K, L, V);
+  const double denom = gbv_power_sum(r_tau + 1.0, r_tau, K);
+  const T* q = draft_probs + (tau < L ? gbv_q_row(b, node_path[b * L + tau], tau, K, L, V) : 0);
   auto residual = [&](int64_t v) {
-    const double diff = w * prob(p[v]) - gbv_q(prob(q[v]), c[v], r_tau, K);
+    const double diff = w * prob(p[v]) - gbv_q(prob(q[v]), c[v], r_tau, denom, K);
     return diff > 0.0 ? diff : 0.0;
   };
   auto target = [&](int64_t v) { return prob(p[v]); };

@@ -215,7 +215,9 @@ __global__ void chain_verify_kernel(const T* __restrict__ target_probs, const T*
   __shared__ int64_t shared_index;
   __shared__ int64_t shared_tau;
   const int64_t b = blockIdx.x, L = a.num_drafts, V = a.vocab;
-  const int64_t n = a.num_draft_tokens ? a.num_draft_tokens[b] : L;
+  // Counts are not range-checked on the device (that needs a host sync); clamp so a bad one cannot read out of bounds.
+  const int64_t n_raw = a.num_draft_tokens ? a.num_draft_tokens[b] : L;
+  const int64_t n = n_raw < 0 ? 0 : (n_raw > L ? L : n_raw);
   const int64_t* cand = a.candidates + b * (L + 1);
   const T* p = target_probs + b * (L + 1) * V;
   const T* q = draft_probs + b * L * V;
@@ -251,7 +253,9 @@ __global__ void block_verify_kernel(const T* __restrict__ target_probs, const T*
   __shared__ int64_t shared_index;
   __shared__ int64_t shared_tau;
   const int64_t b = blockIdx.x, L = a.num_drafts, V = a.vocab;
-  const int64_t n = a.num_draft_tokens ? a.num_draft_tokens[b] : L;
+  // Counts are not range-checked on the device (that needs a host sync); clamp so a bad one cannot read out of bounds.
+  const int64_t n_raw = a.num_draft_tokens ? a.num_draft_tokens[b] : L;
+  const int64_t n = n_raw < 0 ? 0 : (n_raw > L ? L : n_raw);
   const int64_t* cand = a.candidates + b * (L + 1);
   const T* p = target_probs + b * (L + 1) * V;
   const T* q = draft_probs + b * L * V;

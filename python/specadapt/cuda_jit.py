@@ -77,7 +77,8 @@ def _source() -> str:
 
 
 def _options() -> tuple[str, ...]:
-    return ("-std=c++17", f"-I{headers_dir()}", *(f"-I{d}" for d in cuda_include_dirs()))
+    # --fmad=false: no fused multiply-adds, so products and differences round as in the CPU kernel and reference
+    return ("-std=c++17", "--fmad=false", f"-I{headers_dir()}", *(f"-I{d}" for d in cuda_include_dirs()))
 
 
 def compile_ptx(arch: str = "compute_90") -> tuple[str, dict[str, str]]:
@@ -147,13 +148,15 @@ def _kernel(name: str, dtype: torch.dtype, device: torch.device):
 
 
 def _ptr(t: torch.Tensor | None):
-    """A kernel pointer argument: the tensor as a CuPy array (zero copy), or a null pointer."""
-    import cupy
+    """A kernel pointer argument: the tensor's device address as a 64-bit value (null for ``None``).
+
+    Raw addresses rather than ``cupy.from_dlpack``: CuPy's DLPack import refuses or mishandles bfloat16 in several
+    versions, and per-argument DLPack exchange costs a device switch and stream handshakes on every launch. The
+    caller keeps the tensors alive until the launch is enqueued on torch's stream, which orders their reuse.
+    """
     import numpy as np
 
-    if t is None:
-        return np.uint64(0)
-    return cupy.from_dlpack(t.detach())
+    return np.uint64(0 if t is None else t.data_ptr())
 
 
 def _launch(kernel, grid, block, args, device: torch.device) -> None:
@@ -198,8 +201,10 @@ def gbv_verify(candidates, target_probs, draft_probs, uniforms, uniforms_final):
     import numpy as np
 
     B, K, L, V = candidates.shape[0], candidates.shape[1], candidates.shape[2] - 1, target_probs.shape[3]
-    if K > MAX_PATHS:
-        raise ValueError(f"the CUDA GBV kernel supports at most {MAX_PATHS} paths, got K = {K}")
+    if not 1 <= K <= MAX_PATHS:
+        raise ValueError(f"the CUDA GBV kernel supports 1 to {MAX_PATHS} paths, got K = {K}")
+    if V < 1:
+        raise ValueError(f"target_probs must have a vocabulary of V >= 1 entries, got V = {V}")
     dev, dtype = target_probs.device, target_probs.dtype
     cand = candidates.to(torch.int64).contiguous()
     p, q = target_probs.contiguous(), draft_probs.contiguous()
@@ -214,30 +219,31 @@ def gbv_verify(candidates, target_probs, draft_probs, uniforms, uniforms_final):
     keys, ids, cum = torch.empty(B, V, **f64), torch.empty(B, V, **i32), torch.empty(B, V, **f64)
     r, weights = torch.zeros(B, L + 1, **f64), torch.ones(B, L + 1, **f64)
     residual_mass = torch.zeros(B, max(L, 1), **f64)
+    node_path = torch.zeros(B, max(L, 1), **i32)
     k64 = (np.int64(K), np.int64(L), np.int64(V))
     fill_grid = (B, min((V + THREADS - 1) // THREADS, 64))
 
     def ranked(depth_per_request, depth):
         _launch(_kernel("gbv_fill_keys", dtype, dev), fill_grid, (THREADS,),
-                (_ptr(p), _ptr(q), _ptr(chosen), _ptr(depth_per_request), np.int64(depth), _ptr(keys), _ptr(ids),
+                (_ptr(p), _ptr(q), _ptr(node_path), _ptr(depth_per_request), np.int64(depth), _ptr(keys), _ptr(ids),
                  *k64), dev)
         order = torch.sort(keys, dim=-1, stable=True).indices  # ties keep ascending token ids
         return torch.gather(ids, 1, order).contiguous()
 
     _launch(_kernel("gbv_walk", dtype, dev), (B,), (32,),
-            (_ptr(p), _ptr(q), _ptr(cand), _ptr(chosen), _ptr(error), *k64), dev)
+            (_ptr(p), _ptr(q), _ptr(cand), _ptr(chosen), _ptr(node_path), _ptr(error), *k64), dev)
     sorted_ids = ids
     for d in range(L):
         sorted_ids = ranked(None, d)
         _launch(_kernel("gbv_depth", dtype, dev), (B,), (THREADS,),
-                (_ptr(p), _ptr(q), _ptr(cand), _ptr(chosen), _ptr(sorted_ids), _ptr(cum), _ptr(r), _ptr(weights),
-                 _ptr(residual_mass), np.int64(d), *k64), dev)
+                (_ptr(p), _ptr(q), _ptr(cand), _ptr(chosen), _ptr(node_path), _ptr(sorted_ids), _ptr(cum), _ptr(r),
+                 _ptr(weights), _ptr(residual_mass), np.int64(d), *k64), dev)
     _launch(_kernel("gbv_accept", dtype, dev), ((B + 127) // 128,), (128,),
             (_ptr(cand), _ptr(chosen), _ptr(u), _ptr(weights), _ptr(residual_mass), _ptr(accept_len),
              _ptr(output_tokens), np.int64(B), np.int64(K), np.int64(L)), dev)
     if L > 0:
         sorted_ids = ranked(accept_len, 0)
     _launch(_kernel("gbv_sample", dtype, dev), (B,), (THREADS,),
-            (_ptr(p), _ptr(q), _ptr(chosen), _ptr(accept_len), _ptr(sorted_ids), _ptr(cum), _ptr(r), _ptr(weights),
-             _ptr(uf), _ptr(output_tokens), _ptr(error), *k64), dev)
+            (_ptr(p), _ptr(q), _ptr(chosen), _ptr(node_path), _ptr(accept_len), _ptr(sorted_ids), _ptr(cum), _ptr(r),
+             _ptr(weights), _ptr(uf), _ptr(output_tokens), _ptr(error), *k64), dev)
     return accept_len, output_tokens, chosen

@@ -195,6 +195,8 @@ def _check_jit_args(candidates, target_probs, draft_probs, uniforms, uniforms_fi
             or draft_probs.shape[-2] != candidates.shape[-1] - 1 or draft_probs.shape[-1] != target_probs.shape[-1]:
         raise ValueError(f"target_probs {tuple(target_probs.shape)} and draft_probs {tuple(draft_probs.shape)} do not "
                          f"fit candidates {tuple(candidates.shape)}")
+    if target_probs.shape[-1] < 1 or (paths and candidates.shape[1] < 1):
+        raise ValueError(f"target_probs needs V >= 1 and candidates K >= 1 paths, got {tuple(target_probs.shape)}")
     if draft_probs.dtype != target_probs.dtype:
         raise ValueError(f"draft_probs dtype must match target_probs ({target_probs.dtype}), got {draft_probs.dtype}")
     if candidates.dtype not in (torch.int64, torch.int32):
