@@ -48,6 +48,8 @@ def _run(capsys, *argv):
         (["--tts", "--draft", "self:2", "--tts-params", "most"], "--tts-params"),
         (["--tts", "--draft", "self:2", "--tts-rollback-margin", "0"], "--tts-rollback-margin"),
         (["--draft", "eagle:"], "--draft"),
+        (["--tts", "--draft", "self:2", "--tts-topk", "-1"], "--tts-topk"),
+        (["--verify-impl", "cupy"], "--verify-impl cupy"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(capsys, argv, flag):

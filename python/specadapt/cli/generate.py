@@ -168,6 +168,8 @@ def _validate(args) -> list[int]:
         raise UsageError(f"--limit must be >= 0, got {args.limit}")
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
         raise UsageError(f"--device must be cpu or cuda, got {args.device!r}")
+    if args.verify_impl == "cupy" and not args.device.startswith("cuda"):
+        raise UsageError("--verify-impl cupy runs the CUDA kernels through CuPy: it needs --device cuda")
     try:
         edges = [int(x) for x in args.bucket_edges.split(",")]
     except ValueError:
