@@ -192,6 +192,13 @@ struct VerifyArgs {
   int64_t vocab;       // V
 };
 
+// Drafts of request b to verify. Counts are not range-checked on the device (that needs a host sync): clamped to
+// [0, L] so a bad one cannot read out of bounds.
+__device__ __forceinline__ int64_t live_drafts(const VerifyArgs& a, int64_t b) {
+  const int64_t n = a.num_draft_tokens ? a.num_draft_tokens[b] : a.num_drafts;
+  return n < 0 ? 0 : (n > a.num_drafts ? a.num_drafts : n);
+}
+
 // Thread 0 of request b: accept_len, the accepted drafts, then the extra token (-1 flags a massless row).
 __device__ __forceinline__ void write_outputs(const VerifyArgs& a, int64_t b, const int64_t* cand, int64_t tau,
                                               int64_t extra) {
@@ -215,9 +222,7 @@ __global__ void chain_verify_kernel(const T* __restrict__ target_probs, const T*
   __shared__ int64_t shared_index;
   __shared__ int64_t shared_tau;
   const int64_t b = blockIdx.x, L = a.num_drafts, V = a.vocab;
-  // Counts are not range-checked on the device (that needs a host sync); clamp so a bad one cannot read out of bounds.
-  const int64_t n_raw = a.num_draft_tokens ? a.num_draft_tokens[b] : L;
-  const int64_t n = n_raw < 0 ? 0 : (n_raw > L ? L : n_raw);
+  const int64_t n = live_drafts(a, b);
   const int64_t* cand = a.candidates + b * (L + 1);
   const T* p = target_probs + b * (L + 1) * V;
   const T* q = draft_probs + b * L * V;
@@ -253,9 +258,7 @@ __global__ void block_verify_kernel(const T* __restrict__ target_probs, const T*
   __shared__ int64_t shared_index;
   __shared__ int64_t shared_tau;
   const int64_t b = blockIdx.x, L = a.num_drafts, V = a.vocab;
-  // Counts are not range-checked on the device (that needs a host sync); clamp so a bad one cannot read out of bounds.
-  const int64_t n_raw = a.num_draft_tokens ? a.num_draft_tokens[b] : L;
-  const int64_t n = n_raw < 0 ? 0 : (n_raw > L ? L : n_raw);
+  const int64_t n = live_drafts(a, b);
   const int64_t* cand = a.candidates + b * (L + 1);
   const T* p = target_probs + b * (L + 1) * V;
   const T* q = draft_probs + b * L * V;
