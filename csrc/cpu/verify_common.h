@@ -44,30 +44,6 @@ inline const uint16_t* bf16_bits(const T* x) {
   return reinterpret_cast<const uint16_t*>(x);
 }
 
-// sum_v max(w * p[v] - q[v], 0), q given as a row of T or of double.
-template <typename T, typename Q>
-inline double residual_mass(const T* p, const Q* q, double w, int64_t vocab) {
-  if constexpr (kSimdF32<T, Q>) {
-    return simd::residual_sum_f32(p, q, w, vocab);
-  } else if constexpr (kSimdBF16<T, Q>) {
-    return simd::residual_sum_bf16(bf16_bits(p), bf16_bits(q), w, vocab);
-  } else {
-    double acc = 0.0;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t v = 0; v < vocab; ++v) {
-      const double d = w * clean(p[v]) - clean(q[v]);
-      acc += d > 0.0 ? d : 0.0;
-    }
-    return acc;
-  }
-}
-
-inline double row_mass(const double* w, int64_t vocab) {
-  double acc = 0.0;
-  for (int64_t v = 0; v < vocab; ++v) acc += w[v];
-  return acc;
-}
-
 // Unnormalised residual weight at v: max(w * p - q, 0), or p itself when use_p.
 template <typename T, typename Q>
 inline double residual_weight(const T* p, const Q* q, double w, bool use_p, int64_t v) {
@@ -97,6 +73,12 @@ inline double residual_sum(const T* p, const Q* q, double w, bool use_p, int64_t
     }
     return acc;
   }
+}
+
+// sum_v max(w * p[v] - q[v], 0) over the whole row, q given as a row of T or of double.
+template <typename T, typename Q>
+inline double residual_mass(const T* p, const Q* q, double w, int64_t vocab) {
+  return residual_sum(p, q, w, false, 0, vocab);
 }
 
 // Inverse CDF over the unnormalised residual max(w * p - q, 0) (or p itself when q == nullptr). Picks the
