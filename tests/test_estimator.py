@@ -115,6 +115,19 @@ def test_negative_slope_step_is_dropped():
     assert slope == 0.5
 
 
+def test_intercepts_use_the_slope_step_actually_taken():
+    # b != 0 couples the two steps: when the slope step is dropped, the intercepts must take the step they would
+    # take with d_slope = 0 (spec section 4 computes d_beta after the guard), not the one paired with the dropped
+    # slope step.
+    stats = torch.tensor([[4.0, 2.0, 1.5, -30.0, 0.3, 20.0], [2.0, -1.0, 1.0, -10.0, -0.2, 10.0]],
+                         dtype=torch.float64)
+    slope, beta = irls_solve(stats, 0.5, torch.zeros(2), damping=50.0, max_step=float("inf"))
+    assert slope == 0.5
+    a, b, c, g0, g1, n = stats.unbind(1)
+    want = g1 / (c + 1e-3) * n / (n + 50)
+    torch.testing.assert_close(beta, want, rtol=1e-12, atol=0)
+
+
 def _first_token_law(p, q, prune):
     """Exact law of the first emitted token when draft x ~ q is pruned (target samples alone) iff prune(x)."""
     P = torch.tensor([p, p], dtype=torch.float64)

@@ -96,8 +96,11 @@ def irls_solve(
             a trust region on the logit keeps the Newton direction and the fit stable.
 
     Returns:
-        ``(new_slope, new_intercepts [K] float64)``. A NaN or negative-making slope step is dropped (slope kept);
-        NaN intercept steps are dropped; positions without labels keep their intercepts.
+        ``(new_slope, new_intercepts [K] float64)``. A NaN or negative-making slope step is dropped (slope kept)
+        *before* the intercept steps are computed, so ``d_beta_k = (g1_k - b_k d_slope) / c~_k * n_k / (n_k + D)``
+        uses the slope step actually taken (spec section 4's order; computing them with the dropped step
+        shifts every intercept by ``-b_k d_slope / c~_k`` for a slope that never changed). NaN intercept steps are
+        dropped; positions without labels keep their intercepts.
     """
     s = stats.to(torch.float64)
     a, b, c, g0, g1, n = (s[:, i] for i in range(6))
@@ -107,8 +110,8 @@ def irls_solve(
     d_slope = (float(g0.sum()) - float((b * g1 / c_t).sum())) / denom if denom != 0 else float("nan")
     total = float(n.sum())
     d_slope *= total / (total + damping)
-    if not math.isfinite(d_slope):
-        d_slope = 0.0
+    if not math.isfinite(d_slope) or slope + d_slope < 0:
+        d_slope = 0.0  # the spec's guard, applied before the intercepts: their step uses the final slope step
     d_beta = (g1 - b * d_slope) / c_t * (n / (n + damping))
     d_beta = torch.where(torch.isfinite(d_beta), d_beta, torch.zeros_like(d_beta))
     # Trust region: the weighted RMS change of the logit omega * f + beta_k over the window's observations
@@ -119,7 +122,5 @@ def irls_solve(
         rms = math.sqrt(max(float(change), 0.0))
         if rms > max_step:
             d_slope *= max_step / rms
-            d_beta = d_beta * (max_step / rms)
-    if slope + d_slope < 0:
-        d_slope = 0.0
+            d_beta = d_beta * (max_step / rms)  # shrinking a step that keeps slope >= 0 keeps it >= 0
     return slope + d_slope, intercepts.to(torch.float64) + d_beta
