@@ -65,6 +65,11 @@ def add_parser(sub) -> None:
         help="verification implementation: fused C++/CUDA kernel, CuPy JIT of the CUDA kernels, float64 reference, "
              "or auto (kernel if built, else CuPy on CUDA, else reference)",
     )
+    p.add_argument(
+        "--no-packed-forward", dest="packed_forward", action="store_false",
+        help="pad the target's ragged forwards to the widest row instead of packing the real tokens "
+             "(packed: pruned drafts and shorter rows cost no compute)",
+    )
     av = p.add_argument_group("adaptive verification (chain / block)")
     av.add_argument("--adaptive-verification", action="store_true",
                     help="prune each round's drafts to the budget an online acceptance estimator predicts pays")
@@ -275,7 +280,7 @@ def run(args) -> int:
         spec_engine = SpeculativeEngine(
             target, draft, sampling, args.num_draft_tokens, args.verify, seed=args.seed,
             verify_impl=args.verify_impl, num_paths=args.num_paths, adaptive=adaptive, tts=tts,
-            ignore_eos=args.ignore_eos,
+            ignore_eos=args.ignore_eos, packed_forward=args.packed_forward,
         )
     except ValueError as exc:
         raise UsageError(f"--verify: {exc}") from None
@@ -289,7 +294,7 @@ def run(args) -> int:
     if args.baseline:
         base_engine = SpeculativeEngine(
             target, NoDraft(), sampling, 0, "chain", seed=args.seed, verify_impl=args.verify_impl,
-            ignore_eos=args.ignore_eos,
+            ignore_eos=args.ignore_eos, packed_forward=args.packed_forward,
         )
         base_results, base_seconds = _timed(base_engine, token_ids, limits, args, "target-only baseline")
 

@@ -23,6 +23,9 @@ import os
 
 import torch
 
+from . import packing as _packing
+from .packing import Packing, active_packing
+
 __all__ = ["RaggedKVCache"]
 
 _FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
@@ -59,6 +62,10 @@ def _preallocated_layer_class():
         _vbuf: torch.Tensor | None = None
 
         def update(self, key_states, value_states, *args, **kwargs):
+            packing = active_packing()
+            if packing is not None:  # a packed forward: [1, H, N, D] -> the chunk's [B, H, n, D] slots
+                key_states = packing.unpack_heads(key_states)
+                value_states = packing.unpack_heads(value_states)
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             keys, values = self.keys, self.values
@@ -111,6 +118,10 @@ class RaggedKVCache:
             ``max(compact_min_waste, compact_fraction * longest)`` slots.
         fast_append: append into preallocated capacity and use grouped-query SDPA on CPU (default); ``False``
             keeps transformers' concatenating ``DynamicCache`` as is (the baseline of scripts/bench_kv_context.py).
+        packed: run a chunk with holes as a packed forward (:mod:`specadapt.engine.packing`): only the
+            ``sum(num_valid)`` real tokens go through the projections, MLPs and LM head, so a pruned draft (or a
+            shorter prompt) costs no compute there. Needs ``fast_append``. Outputs keep the padded ``[B, n, ...]``
+            layout (holes hold zeros).
     """
 
     def __init__(
@@ -120,6 +131,7 @@ class RaggedKVCache:
         compact_min_waste: int = 64,
         compact_fraction: float = 0.25,
         fast_append: bool = True,
+        packed: bool = False,
     ) -> None:
         from transformers import DynamicCache  # adapters may import transformers; techniques may not
 
@@ -136,6 +148,12 @@ class RaggedKVCache:
         # forward (another O(T) copy); torch's CPU SDPA takes GQA directly. (On CUDA that switch would select the
         # math kernel, so it is left alone there.)
         self._force_gqa = fast_append and self.device.type == "cpu"
+        if packed and not fast_append:
+            raise ValueError("packed=True needs fast_append=True (the packed keys are unpacked by its cache layer)")
+        self.packed = packed
+        self.num_packed_forwards = 0
+        if packed:
+            _packing.register()
         self._cache_name = _cache_kwarg(model)
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device)  # [B, T_phys]
         self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=self.device)  # [B]
@@ -204,12 +222,24 @@ class RaggedKVCache:
         offsets = cols[None, :] if chunk_positions is None else chunk_positions.to(self.device, torch.int64)
         position_ids = self.lengths[:, None] + offsets
         mask = self._attention_mask(num_new, new_valid, chunk_mask)
+        input_ids = input_ids.to(self.device)
+        packing, kept, keep_last = None, None, int(logits_to_keep)
+        if self.packed and 0 < int(num_valid.sum()) < batch * num_new:
+            packing = Packing.from_valid(new_valid, self.model.config._attn_implementation)
+            input_ids, position_ids = packing.pack(input_ids), packing.pack(position_ids)
+            if keep_last:  # the packed indices of the chunk's last k columns that hold real tokens
+                kept = ((packing.flat % num_new) >= num_new - keep_last).nonzero().squeeze(1)
+                logits_to_keep = kept
         previous = os.environ.get(_FORCE_GQA)
         if self._force_gqa:
             os.environ[_FORCE_GQA] = "1"
+        config = self.model.config
+        if packing is not None:
+            token = packing.activate()
+            config._attn_implementation_internal = _packing.ATTENTION_NAME
         try:
             out = self.model(
-                input_ids=input_ids.to(self.device),
+                input_ids=input_ids,
                 attention_mask=mask,
                 position_ids=position_ids,
                 use_cache=True,
@@ -218,15 +248,37 @@ class RaggedKVCache:
                 **model_kwargs,
             )
         finally:
+            if packing is not None:
+                config._attn_implementation_internal = packing.base_attention
+                packing.deactivate(token)
             if self._force_gqa:
                 if previous is None:
                     os.environ.pop(_FORCE_GQA, None)
                 else:
                     os.environ[_FORCE_GQA] = previous
+        if packing is not None:
+            self._unpack_outputs(out, packing, keep_last, kept)
+            self.num_packed_forwards += 1
         self.valid = torch.cat([self.valid, new_valid], dim=1)
         self.lengths = self.lengths + num_valid
         self._last_chunk = num_new
         return out if return_outputs else out.logits
+
+    @staticmethod
+    def _unpack_outputs(out, packing: Packing, keep_last: int, kept: torch.Tensor | None) -> None:
+        """Give a packed forward's logits / hidden states the padded ``[B, n or k, ...]`` layout (zeros in holes).
+
+        ``kept``: the packed indices whose logits were computed when ``keep_last = k > 0`` (the real tokens among
+        the chunk's last k columns).
+        """
+        if kept is not None:
+            full = out.logits.new_zeros(packing.batch * packing.width, out.logits.shape[-1])
+            full.index_copy_(0, packing.flat[kept], out.logits[0])
+            out.logits = full.view(packing.batch, packing.width, -1)[:, packing.width - keep_last:]
+        else:
+            out.logits = packing.unpack(out.logits)
+        if getattr(out, "hidden_states", None) is not None:
+            out.hidden_states = tuple(packing.unpack(h) for h in out.hidden_states)
 
     def keep_last_chunk(self, keep: torch.Tensor) -> None:
         """Keep only the marked slots of the chunk appended last (``[B, n] bool``), e.g. one root-to-leaf path

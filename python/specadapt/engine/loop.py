@@ -81,6 +81,9 @@ class SpeculativeEngine:
         verify_impl: ``auto`` (fused C++/CUDA kernel when available, else on CUDA the CuPy JIT of the same kernels,
             else the float64 reference, with a logged warning), ``compiled``, ``cupy`` or ``reference``
             (:func:`specadapt.kernels.choose_implementation`); all give the same tokens for the same coins.
+        packed_forward: run the target's ragged forwards (prefill of prompts of different lengths, verify chunks
+            with pruned or fewer drafts, token trees of different sizes) packed, so holes cost no compute
+            (:mod:`specadapt.engine.packing`); ``False`` pads every row to the widest.
 
     Raises:
         ValueError: ``num_draft_tokens < 0``, an unknown verification rule or implementation.
@@ -99,6 +102,7 @@ class SpeculativeEngine:
         adaptive=None,
         tts=None,
         ignore_eos: bool = False,
+        packed_forward: bool = True,
     ) -> None:
         if num_draft_tokens < 0:
             raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
@@ -134,6 +138,7 @@ class SpeculativeEngine:
         self.eos_ids = set() if ignore_eos else target.eos_token_ids()
         self._hidden_kwargs = {"output_hidden_states": True} if draft.needs_target_hidden else {}
         self.vocab_size = target.vocab_size
+        self.packed_forward = packed_forward
 
     def generate(
         self,
@@ -182,7 +187,7 @@ class SpeculativeEngine:
         if not active:
             return
         histories_active = [histories[r] for r in active]
-        kv = RaggedKVCache(self.target.model, len(active))
+        kv = RaggedKVCache(self.target.model, len(active), packed=self.packed_forward)
         prefix = [h[:-1] for h in histories_active]
         features = None
         if max(len(p) for p in prefix) > 0:
