@@ -59,6 +59,25 @@ def test_log_drafts_and_eval_estimator_end_to_end(tiny_model_dir, tmp_path, caps
     result = json.loads(out.read_text())
     assert set(result["fitted"]) >= {"auc", "log_loss", "ece"} and set(result["qmax_unfitted"]) >= {"auc", "log_loss", "ece"}
     assert result["per_position"]
+    # replaying the log with the run's settings reproduces the logged predictions (same features, labels, schedule)
+    from specadapt.estimator import AcceptanceEstimator
+    from specadapt.estimator.evaluation import replay_records
+
+    replayed = replay_records(records, AcceptanceEstimator(5, refit_interval=3))
+    assert max(r["refits"] for r in replayed) >= 2
+    order = sorted(range(len(records)), key=lambda i: records[i]["round"])  # replay returns records by round
+    for i, rep in zip(order, replayed):
+        assert rep["refits"] == records[i]["refits"]
+        assert rep["prediction"] == pytest.approx(records[i]["prediction"], abs=1e-9)
+    # ... and other settings give other predictions, through the CLI
+    code = main(["eval-estimator", str(log), "--replay", "--refit-interval", "1", "--damping", "0",
+                 "--json", str(out)])
+    assert code == 0 and json.loads(out.read_text())["fitted"] != result["fitted"]
+    assert main(["eval-estimator", str(log), "--replay", "--refit-interval", "0"]) == 2
+    assert "--refit-interval" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="round"):
+        replay_records([{"position": 1, "feature": 0.0, "prediction": 0.5, "label": 1, "refits": 0}],
+                       AcceptanceEstimator(1))
     capsys.readouterr()
     assert main(["eval-estimator", str(tmp_path / "none.jsonl")]) == 2
     bad = tmp_path / "bad.jsonl"

@@ -17,6 +17,14 @@ def add_parser(sub) -> None:
     p.add_argument("--min-refits", type=int, default=1,
                    help="use predictions made after this many refits (out of sample: fitted on earlier windows only)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the metrics as JSON")
+    r = p.add_argument_group("replay (re-fit the estimator on the logged drafts with other settings)")
+    r.add_argument("--replay", action="store_true",
+                   help="re-run a fresh estimator over the logged rounds and score its predictions instead of the "
+                        "logged ones (exact for logs of runs without --adaptive-verification)")
+    r.add_argument("--refit-interval", type=int, default=100, help="N: rounds between refits (replay)")
+    r.add_argument("--damping", type=float, default=50.0, help="D of the evidence damping n/(n+D) (replay)")
+    r.add_argument("--init-slope", type=float, default=0.5, help="initial slope omega (replay)")
+    r.add_argument("--init-intercept", type=float, default=-0.2, help="initial intercepts beta_k (replay)")
     p.set_defaults(run=run)
 
 
@@ -27,6 +35,8 @@ def run(args) -> int:
         raise UsageError(f"--min-refits must be >= 0, got {args.min_refits}")
     try:
         records = read_draft_log(args.log)
+        if args.replay:
+            records = _replay(records, args)
         result = evaluate_records(records, args.min_refits)
     except FileNotFoundError as exc:
         raise UsageError(f"PATH: {exc}") from None
@@ -38,3 +48,20 @@ def run(args) -> int:
             json.dump(result, f, indent=2)
         print(f"wrote {args.json}")
     return 0
+
+
+def _replay(records: list[dict], args) -> list[dict]:
+    from ..estimator import AcceptanceEstimator
+    from ..estimator.evaluation import replay_records
+
+    if args.refit_interval < 1:
+        raise UsageError(f"--refit-interval must be >= 1, got {args.refit_interval}")
+    if args.damping < 0:
+        raise UsageError(f"--damping must be >= 0, got {args.damping}")
+    positions = max(int(r["position"]) for r in records)
+    estimator = AcceptanceEstimator(positions, init_slope=args.init_slope, init_intercept=args.init_intercept,
+                                    refit_interval=args.refit_interval, damping=args.damping)
+    replayed = replay_records(records, estimator)
+    print(f"replayed {len(replayed)} drafts over {estimator.steps} rounds: {estimator.refits} refits, final slope "
+          f"{estimator.slope:.3f}, intercepts {[round(b, 3) for b in estimator.intercepts.tolist()]}")
+    return replayed

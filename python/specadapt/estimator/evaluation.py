@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["auc", "log_loss", "ece", "evaluate_records", "read_draft_log"]
+__all__ = ["auc", "log_loss", "ece", "evaluate_records", "read_draft_log", "replay_records"]
 
 
 def auc(scores: np.ndarray, labels: np.ndarray) -> float | None:
@@ -87,6 +87,57 @@ def read_draft_log(path: str | Path) -> list[dict]:
     if not records:
         raise ValueError(f"{path} holds no records")
     return records
+
+
+def replay_records(records: list[dict], estimator) -> list[dict]:
+    """Re-run an estimator over logged drafts: the same features and labels, fresh predictions.
+
+    Rounds are replayed in order; in each, the estimator predicts every logged draft with its current coefficients
+    (before seeing the round's labels, as at draft time), then observes the round's outcomes (accepted = the
+    logged 1-labels of a row, verified = its logged drafts) and refits on its own schedule. This answers "what
+    would other settings (refit interval, damping, start values) have predicted on these drafts" without decoding
+    again. Only exact for logs of runs without pruning (no ``--adaptive-verification``): with pruning, which
+    drafts were verified depended on the logged run's own predictions.
+
+    Args:
+        records: from :func:`read_draft_log`; each needs ``round`` and ``row`` besides the usual fields.
+        estimator: a fresh :class:`specadapt.estimator.AcceptanceEstimator` with at least as many positions as
+            the largest logged ``position``.
+
+    Returns:
+        Copies of the records (in round order) with ``prediction`` and ``refits`` replaced by the replay's.
+
+    Raises:
+        ValueError: a record without ``round`` / ``row``, or positions beyond the estimator's.
+    """
+    import torch
+
+    by_round: dict[int, list[dict]] = {}
+    for i, rec in enumerate(records):
+        if "round" not in rec or "row" not in rec:
+            raise ValueError(f"record {i} has no 'round' / 'row' field: cannot replay it")
+        by_round.setdefault(int(rec["round"]), []).append(rec)
+    num_positions = max(int(r["position"]) for r in records)
+    if num_positions > estimator.num_positions:
+        raise ValueError(f"the log has draft position {num_positions}, the estimator only "
+                         f"{estimator.num_positions} positions")
+    out = []
+    for rnd in sorted(by_round):
+        recs = by_round[rnd]
+        rows = max(int(r["row"]) for r in recs) + 1
+        features = torch.zeros(rows, num_positions, dtype=torch.float64)
+        accepted = torch.zeros(rows, dtype=torch.int64)
+        verified = torch.zeros(rows, dtype=torch.int64)
+        for r in recs:
+            features[int(r["row"]), int(r["position"]) - 1] = float(r["feature"])
+            accepted[int(r["row"])] += int(r["label"])
+            verified[int(r["row"])] += 1
+        predictions = estimator.predict(features)
+        for r in recs:
+            out.append({**r, "prediction": float(predictions[int(r["row"]), int(r["position"]) - 1]),
+                        "refits": estimator.refits})
+        estimator.observe(features, predictions, accepted, verified)
+    return out
 
 
 def evaluate_records(records: list[dict], min_refits: int = 1) -> dict:
