@@ -40,8 +40,9 @@ def chat_ids(tokenizer, text):
                                               tokenize=True, return_dict=False))
 
 
-def run_setting(target, draft, sampling, prompts, L, adaptive, max_new, seed):
-    engine = SpeculativeEngine(target, draft, sampling, L, "chain", seed=seed, adaptive=adaptive)
+def run_setting(target, draft, sampling, prompts, L, adaptive, max_new, seed, packed_forward=True):
+    engine = SpeculativeEngine(target, draft, sampling, L, "chain", seed=seed, adaptive=adaptive,
+                               packed_forward=packed_forward)
     start = time.perf_counter()
     results = engine.generate(prompts, max_new, batch_size=len(prompts))
     seconds = time.perf_counter() - start
@@ -77,6 +78,8 @@ def main() -> int:
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--refit-interval", type=int, default=20, help="estimator refit interval (decode steps)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-packed-forward", dest="packed_forward", action="store_false",
+                    help="pad the target's ragged forwards (default: packed, pruned drafts cost no compute)")
     ap.add_argument("--out", default="results/av_sweep")
     args = ap.parse_args()
     out = Path(args.out)
@@ -98,7 +101,8 @@ def main() -> int:
             av = None
             if adaptive:
                 av = AdaptiveVerification(AcceptanceEstimator(L, refit_interval=args.refit_interval), costs)
-            result = run_setting(target, draft, sampling, prompts, L, av, args.max_new_tokens, args.seed)
+            result = run_setting(target, draft, sampling, prompts, L, av, args.max_new_tokens, args.seed,
+                                 args.packed_forward)
             rows.append({"batch_size": batch, "setting": name, **result})
             bar.update(1)
             bar.set_postfix(batch=batch, setting=name, tps=f"{result['total_tokens_per_s']:.1f}")
