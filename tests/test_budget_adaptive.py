@@ -39,6 +39,22 @@ def test_choose_budget_trades_expected_tokens_for_cost():
     assert choose_budget(s, mid) == 1
 
 
+def test_choose_budget_costs_the_draft_depth_with_early_stop():
+    s = torch.tensor([[0.5, 0.1, 0.05]], dtype=torch.float64)
+    costs = CostTable(target_ms=[1.0] * 8, draft_ms=[3.0])  # verify is flat; drafting 3 steps costs 3 ms
+    # the spec's fixed draft cost: E / 4 ms grows with B -> verify all
+    assert choose_budget(s, costs) == 3
+    # early stop: B slots cost min(depth + 1, 3) steps; B=0 1/2, B=1 1.5/3, B=2 1.6/4, B=3 1.65/4 -> B = 0 (tie)
+    assert choose_budget(s, costs, draft_steps=3) == 0
+    # two requests, depth reached by the top slots: B=2 takes both first slots (depth 1, 2 steps)
+    s2 = torch.tensor([[0.9, 0.2], [0.8, 0.1]], dtype=torch.float64)
+    c2 = CostTable(target_ms=[1.0] * 8, draft_ms=[2.0, 2.0])
+    # B=0 2/(1+1)=1.0, B=1 2.9/(2+1)=.967, B=2 3.7/(2+1)=1.233, B=3 3.9/3=1.3, B=4 4.0/3=1.333
+    assert choose_budget(s2, c2, draft_steps=2) == 4
+    with pytest.raises(ValueError, match="draft_steps"):
+        choose_budget(s2, c2, draft_steps=0)
+
+
 def test_cost_table_monotone_extrapolation_and_io(tmp_path):
     t = CostTable(target_ms=[5.0, 4.0, 7.0], draft_ms=[1.0, 3.0])
     assert t.target_ms == [5.0, 5.0, 7.0]

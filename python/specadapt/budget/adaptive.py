@@ -73,7 +73,9 @@ class AdaptiveVerification:
             num_verify = num_drafts.clone()
         else:
             num_verify = torch.minimum(allocate_prefixes(surv, self.stale_budget), num_drafts)
-        self.stale_budget = choose_budget(surv, self.costs)
+        # with early stop the draft runs only as deep as the budget reaches: cost the depth (L = estimator's K)
+        steps = self.estimator.num_positions if self.early_stop else None
+        self.stale_budget = choose_budget(surv, self.costs, draft_steps=steps)
         self.pruned += int((num_drafts - num_verify).sum())
         self.verified += int(num_verify.sum())
         return num_verify, features, predictions

@@ -2,7 +2,8 @@
 
 Survival ``S[r, k] = prod_{j <= k} p_j(r)`` is the estimated probability that draft ``k`` of request ``r`` is
 accepted. With ``B`` draft slots verified across the batch, expected tokens are ``E(B) = N_req + (sum of the B
-largest survivals)`` and the cost is ``C(B) = draft_ms(N_req) + verify_ms(T + B)``; the budget is
+largest survivals)`` and the cost is ``C(B) = draft_ms(N_req) + verify_ms(T + B)`` (with early stop of drafting, the draft term scales with the
+depth the budget reaches: see :func:`choose_budget`); the budget is
 ``B* = argmax E(B) / C(B)`` (smallest on ties) and the global top-B* slots are verified — a contiguous prefix
 of each request, because survival never increases along a request.
 
@@ -30,24 +31,46 @@ def survival(accept_probs: torch.Tensor, num_drafts: torch.Tensor | None = None)
     return s
 
 
-def choose_budget(survivals: torch.Tensor, costs: CostTable, non_draft_tokens: int | None = None) -> int:
+def choose_budget(survivals: torch.Tensor, costs: CostTable, non_draft_tokens: int | None = None,
+                  draft_steps: int | None = None) -> int:
     """``B* = argmax_B E(B) / C(B)`` over ``B = 0..R*K`` (smallest B on ties).
 
     Args:
         survivals: ``[R, K]`` survival products.
         costs: the cost table.
         non_draft_tokens: T, tokens the target processes besides drafts (default R: one per request).
+        draft_steps: ``None`` for the spec's cost ``C(B) = draft_ms(R) + verify_ms(T + B)`` (the draft always
+            runs all its steps). With early stop of drafting (ours, :meth:`specadapt.budget.adaptive.
+            AdaptiveVerification.draft_filter`) the draft runs only as deep as the budget reaches, so pass the
+            number of steps ``draft_ms(R)`` was profiled for (L): drafting then costs
+            ``draft_ms(R) * min(d(B) + 1, L) / L``, where ``d(B)`` is the deepest position (1-based, 0 when
+            ``B = 0``) among the top-B slots and the ``+ 1`` is the step whose q rows showed that the next slot
+            falls outside the budget.
+
+    Returns:
+        ``B*`` (int, ``0 <= B* <= R*K``).
+
+    Raises:
+        ValueError: ``draft_steps < 1``.
     """
-    num_requests = survivals.shape[0]
+    num_requests, width = survivals.shape
+    if draft_steps is not None and draft_steps < 1:
+        raise ValueError(f"draft_steps must be >= 1, got {draft_steps}")
     t = num_requests if non_draft_tokens is None else non_draft_tokens
-    ranked = survivals.flatten().sort(descending=True).values
+    flat = survivals.flatten()
+    order = flat.sort(descending=True, stable=True)
+    ranked = order.values.tolist()
+    depth_of = ((order.indices % max(width, 1)) + 1).tolist()  # 1-based position of each ranked slot
     best_b, best_rate = 0, None
     expected = float(num_requests)
     draft = costs.draft_cost(num_requests)
-    for b in range(0, ranked.numel() + 1):
+    deepest = 0
+    for b in range(0, len(ranked) + 1):
         if b > 0:
-            expected += float(ranked[b - 1])
-        rate = expected / (draft + costs.verify_cost(t + b))
+            expected += ranked[b - 1]
+            deepest = max(deepest, depth_of[b - 1])
+        draft_b = draft if draft_steps is None else draft * min(deepest + 1, draft_steps) / draft_steps
+        rate = expected / (draft_b + costs.verify_cost(t + b))
         if best_rate is None or rate > best_rate:
             best_b, best_rate = b, rate
     return best_b

@@ -47,7 +47,8 @@ class SGLangAdaptiveVerification:
             costs = CostTable.load(config.av_cost_table)
         else:  # fixed-width verify: the target costs the same whatever is verified
             costs = CostTable(target_ms=[1.0] * (max_requests * (num_drafts + 1)), draft_ms=[0.0])
-        self.state = AdaptiveVerification(estimator, costs)
+        # SGLang's draft graph always runs every step: no early stop, the spec's fixed draft cost
+        self.state = AdaptiveVerification(estimator, costs, early_stop=False)
         self.broadcast = broadcast
 
     @property
