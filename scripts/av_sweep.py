@@ -4,7 +4,8 @@ batch sizes 1, 4, 8, 16 (AIME 2024 prompts, temperature 1.0). Loads the target a
 
     python scripts/av_sweep.py --draft eagle --batch-sizes 1 4 8 16 --max-new-tokens 256 --out results/av_sweep
 
-Per (batch size, setting): total tokens/s (all output tokens / wall time of the batch) and mean per-request
+A target-only row (no draft) per batch size is the reference speculation has to beat (``--no-target-only``
+skips it). Per (batch size, setting): total tokens/s (all output tokens / wall time of the batch) and mean per-request
 tokens/s (each request's tokens / its own decode time); writes --out/sweep.json, --out/table.md and the Pareto
 plot --out/pareto.png (x: per-request tokens/s, y: total tokens/s, one panel per batch size). Each batch uses
 the first ``batch size`` prompts (cycled if the dataset is shorter), so every setting of one batch size decodes
@@ -29,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "python"))
 
 from specadapt.datasets import load_prompts  # noqa: E402
-from specadapt.engine import SpeculativeEngine, build_draft, load_model  # noqa: E402
+from specadapt.engine import NoDraft, SpeculativeEngine, build_draft, load_model  # noqa: E402
 from specadapt.engine.adaptive import AdaptiveVerification, profile_engine_costs  # noqa: E402
 from specadapt.estimator import AcceptanceEstimator  # noqa: E402
 from specadapt.sampling import SamplingParams  # noqa: E402
@@ -65,6 +66,14 @@ def pareto_front(points):
     return front
 
 
+def front_gap(points, i):
+    """Smallest eps >= 0 such that point i scaled by (1 + eps) in both coordinates is dominated by no point
+    (0 on the Pareto front; "within 5% of the front" means eps <= 0.05)."""
+    x, y = points[i]
+    worst = max(min(x2 / x, y2 / y) for x2, y2 in points) if x > 0 and y > 0 else float("inf")
+    return max(0.0, worst - 1.0)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -76,6 +85,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--no-target-only", dest="target_only", action="store_false",
+                    help="skip the target-only row (no draft) of each batch size")
     ap.add_argument("--refit-interval", type=int, default=20, help="estimator refit interval (decode steps)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-packed-forward", dest="packed_forward", action="store_false",
@@ -89,6 +100,8 @@ def main() -> int:
     texts = [p.text for p in load_prompts(args.dataset)]
     rows = []
     settings = [(f"L={L}", L, False) for L in args.fixed_l] + [(f"adaptive L={args.adaptive_l}", args.adaptive_l, True)]
+    if args.target_only:
+        settings = [("target-only", 0, False)] + settings
     bar = tqdm(total=len(args.batch_sizes) * len(settings), desc="sweep", unit="run")
     for batch in args.batch_sizes:
         prompts = [chat_ids(target.tokenizer, texts[i % len(texts)]) for i in range(batch)]
@@ -97,7 +110,7 @@ def main() -> int:
                                      batch, args.adaptive_l)
         SpeculativeEngine(target, draft, sampling, 2, "chain").generate(prompts[:1], 4)  # warm-up
         for name, L, adaptive in settings:
-            draft = build_draft(args.draft, target, sampling, args.seed)
+            draft = NoDraft() if L == 0 else build_draft(args.draft, target, sampling, args.seed)
             av = None
             if adaptive:
                 av = AdaptiveVerification(AcceptanceEstimator(L, refit_interval=args.refit_interval), costs)
@@ -107,14 +120,17 @@ def main() -> int:
             bar.update(1)
             bar.set_postfix(batch=batch, setting=name, tps=f"{result['total_tokens_per_s']:.1f}")
     bar.close()
-    (out / "sweep.json").write_text(json.dumps({"config": vars(args), "rows": rows}, indent=2))
-    lines = ["| batch | setting | total tok/s | per-request tok/s | acc. length | on Pareto front |", "|---|---|---|---|---|---|"]
+    lines = ["| batch | setting | total tok/s | per-request tok/s | acc. length | on Pareto front | gap to front |",
+             "|---|---|---|---|---|---|---|"]
     for batch in args.batch_sizes:
         group = [r for r in rows if r["batch_size"] == batch]
-        front = set(pareto_front([(r["per_request_tokens_per_s"], r["total_tokens_per_s"]) for r in group]))
+        points = [(r["per_request_tokens_per_s"], r["total_tokens_per_s"]) for r in group]
+        front = set(pareto_front(points))
         for i, r in enumerate(group):
+            r["gap_to_front"] = front_gap(points, i)
             lines.append(f"| {batch} | {r['setting']} | {r['total_tokens_per_s']:.1f} | {r['per_request_tokens_per_s']:.1f} | "
-                         f"{r['acceptance_length']:.2f} | {'yes' if i in front else ''} |")
+                         f"{r['acceptance_length']:.2f} | {'yes' if i in front else ''} | {100 * r['gap_to_front']:.1f}% |")
+    (out / "sweep.json").write_text(json.dumps({"config": vars(args), "rows": rows}, indent=2))
     md = "\n".join(lines)
     (out / "table.md").write_text(md + "\n")
     print(md)

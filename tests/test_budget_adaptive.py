@@ -44,13 +44,14 @@ def test_choose_budget_costs_the_draft_depth_with_early_stop():
     costs = CostTable(target_ms=[1.0] * 8, draft_ms=[3.0])  # verify is flat; drafting 3 steps costs 3 ms
     # the spec's fixed draft cost: E / 4 ms grows with B -> verify all
     assert choose_budget(s, costs) == 3
-    # early stop: B slots cost min(depth + 1, 3) steps; B=0 1/2, B=1 1.5/3, B=2 1.6/4, B=3 1.65/4 -> B = 0 (tie)
-    assert choose_budget(s, costs, draft_steps=3) == 0
-    # two requests, depth reached by the top slots: B=2 takes both first slots (depth 1, 2 steps)
+    # early stop: B slots cost max(depth, 1) steps; B=0 1/2, B=1 1.5/2, B=2 1.6/3, B=3 1.65/4 -> B = 1
+    assert choose_budget(s, costs, draft_steps=3) == 1
+    # two requests: the depth is the deepest of the top-B slots, whichever request holds it
     s2 = torch.tensor([[0.9, 0.2], [0.8, 0.1]], dtype=torch.float64)
     c2 = CostTable(target_ms=[1.0] * 8, draft_ms=[2.0, 2.0])
-    # B=0 2/(1+1)=1.0, B=1 2.9/(2+1)=.967, B=2 3.7/(2+1)=1.233, B=3 3.9/3=1.3, B=4 4.0/3=1.333
-    assert choose_budget(s2, c2, draft_steps=2) == 4
+    # B=0 2/(1+1)=1.0, B=1 2.9/2, B=2 3.7/2=1.85 (both first slots: depth 1), B=3 3.9/3=1.3, B=4 4.0/3
+    assert choose_budget(s2, c2, draft_steps=2) == 2
+    assert choose_budget(s2, c2) == 4  # the spec's fixed draft cost: every B costs 2 + 1
     with pytest.raises(ValueError, match="draft_steps"):
         choose_budget(s2, c2, draft_steps=0)
 
@@ -127,8 +128,9 @@ def test_adaptive_refuses_gbv(tiny_target):
 
 @pytest.mark.parametrize("budget", [0, 1, 3, 6, 40])
 def test_early_stop_gives_the_caps_of_full_drafting(tiny_target, budget):
-    """Same generator state, same estimator, same stale B*: drafting with the early-stop filter yields exactly
-    the caps (and the capped tokens) of drafting every position then pruning; only the width shrinks."""
+    """Same generator state, same estimator, same stale B*: drafting with the early-stop filter (and with the
+    look-ahead caps) yields exactly the caps (and the capped tokens) of drafting every position then pruning;
+    only the width and the number of draft forwards shrink."""
     params = SamplingParams(1.0)
     histories = [[1, 2, 3, 4], [5, 6], [7, 8, 9], [3, 3, 3, 3, 3]]
     L = 5
@@ -136,27 +138,57 @@ def test_early_stop_gives_the_caps_of_full_drafting(tiny_target, budget):
     estimator.intercepts = torch.tensor([0.5, 0.0, -0.5, -1.0, -1.5], dtype=torch.float64)
     costs = CostTable(target_ms=[1.0] * 64, draft_ms=[0.0])
     results = {}
-    for early in (False, True):
-        av = AdaptiveVerification(estimator, costs, early_stop=early)
+    for mode in ("full", "filter", "caps"):
+        av = AdaptiveVerification(estimator, costs, early_stop=mode != "full")
         av.stale_budget = budget
         draft = ModelDraft(self_draft(tiny_target, 1), params, torch.Generator().manual_seed(11), "self:1")
-        draft.draft_filter = av.draft_filter if early else None
+        draft.draft_filter = {"full": None, "filter": av.draft_filter, "caps": av.draft_caps}[mode]
         draft.start(histories)
+        forwards = []
+        inner = draft.kv.forward
+        draft.kv.forward = lambda *a, **k: forwards.append(1) or inner(*a, **k)
         proposal = draft.propose(histories, torch.full((4,), L), 32)
         av.stale_budget = budget
         caps, _, _ = av.plan(proposal.probs, proposal.num_tokens)
-        results[early] = (caps, proposal, av.pruned)
-    (caps_full, full, pruned_full), (caps_early, early_p, pruned_early) = results[False], results[True]
-    assert torch.equal(caps_full, caps_early)
-    assert pruned_full == pruned_early  # drafts never drafted count as pruned
-    for r in range(4):
-        c = int(caps_full[r])
-        assert torch.equal(full.tokens[r, :c], early_p.tokens[r, :c])
-    assert early_p.tokens.shape[1] <= full.tokens.shape[1]
-    if budget <= 3:
-        assert early_p.tokens.shape[1] < L, "a small budget must cut drafting short"
-    if budget == 0:
-        assert int(early_p.num_tokens.max()) == 0
+        results[mode] = (caps, proposal, av.pruned, len(forwards))
+    caps_full, full, pruned_full, forwards_full = results["full"]
+    for mode in ("filter", "caps"):
+        caps_early, early_p, pruned_early, _ = results[mode]
+        assert torch.equal(caps_full, caps_early), mode
+        assert pruned_full == pruned_early, mode  # drafts never drafted count as pruned
+        for r in range(4):
+            c = int(caps_full[r])
+            assert torch.equal(full.tokens[r, :c], early_p.tokens[r, :c])
+        assert early_p.tokens.shape[1] <= full.tokens.shape[1]
+        if budget <= 3:
+            assert early_p.tokens.shape[1] < L, "a small budget must cut drafting short"
+        if budget == 0:
+            assert int(early_p.num_tokens.max()) == 0
+    forwards_filter, forwards_caps = results["filter"][3], results["caps"][3]
+    assert forwards_caps <= forwards_filter <= forwards_full
+    if budget == 1:  # the look-ahead skips the forward that only shows the next slot is out of the budget
+        assert forwards_caps < forwards_filter
+
+
+def test_lookahead_bound_uses_the_largest_possible_next_acceptance():
+    costs = CostTable(target_ms=[1.0] * 8, draft_ms=[0.0])
+    est = AcceptanceEstimator(3, init_slope=0.0, init_intercept=0.0)  # every prediction 0.5
+    av = AdaptiveVerification(est, costs)
+    av.stale_budget = 2
+    probs = torch.full((2, 1, 4), 0.25)
+    # survivals at position 0: 0.5 and 0.5; threshold (2nd largest) 0.5; next slot at most 0.5 * 0.5 < 0.5: stop
+    assert av.draft_caps(0, probs, torch.tensor([3, 3])).tolist() == [1, 1]
+    assert av.draft_caps(0, probs, torch.tensor([3, 3]), lookahead=False).tolist() == [3, 3]
+    av.stale_budget = 3  # only 2 slots known: nothing can be ruled out yet
+    assert av.draft_caps(0, probs, torch.tensor([3, 3])).tolist() == [3, 3]
+    # a negative slope is bounded with |omega| * 40: row 0 (confident, f = 3.5) predicts 0.03, row 1 (flat q,
+    # f = -4.6) 0.99; threshold 0.03; row 0's next slot may reach 0.03 * sigmoid(40) = 0.03: not ruled out
+    est.slope = -1.0
+    av.stale_budget = 2
+    peaked = torch.full((100,), 0.03 / 99)
+    peaked[0] = 0.97
+    probs = torch.stack([peaked, torch.full((100,), 0.01)])[:, None, :]
+    assert av.draft_caps(0, probs, torch.tensor([3, 3])).tolist() == [3, 3]
 
 
 def test_draft_filter_is_off_without_a_budget_or_pruning():

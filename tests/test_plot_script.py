@@ -50,3 +50,14 @@ def test_study_bucket_aggregation_weights_by_rounds():
     assert study.bucket_acceptance(summary, 0, 512) == pytest.approx((20 + 30) / 40)
     assert study.bucket_acceptance(summary, 512, 1024) is None
     assert study.label({"config": {"draft": "eagle", "tts": True, "tts_stride": 2, "tts_params": "lora"}}) == "eagle + TTS S=2 (LoRA)"
+
+
+def test_av_sweep_pareto_front_and_gap():
+    sweep = _load("av_sweep")
+    points = [(12.3, 45.8), (11.5, 44.5), (10.1, 38.4), (19.0, 19.0)]
+    assert sorted(sweep.pareto_front(points)) == [0, 3]
+    gaps = [sweep.front_gap(points, i) for i in range(len(points))]
+    assert gaps[0] == 0.0 and gaps[3] == 0.0
+    # (11.5, 44.5) needs x1.0293 in both coordinates to escape (12.3, 45.8): within 5%
+    assert gaps[1] == pytest.approx(45.8 / 44.5 - 1)
+    assert gaps[2] == pytest.approx(min(12.3 / 10.1, 45.8 / 38.4) - 1) and gaps[2] > 0.05

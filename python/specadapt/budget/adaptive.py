@@ -81,29 +81,52 @@ class AdaptiveVerification:
         return num_verify, features, predictions
 
     def draft_filter(self, step: int, draft_probs: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
-        """Early stop of drafting: which rows keep draft position ``step`` (0-based).
+        """Early stop of drafting: which rows keep draft position ``step`` (0-based); ``draft_caps(...) > step``.
+
+        A row drops position ``step`` and stops drafting when that slot's survival is strictly below the
+        ``B*``-th largest survival of the slots known so far: the final allocation ranks a superset of those
+        slots with the same stale ``B*`` (chosen in the previous round), so such a slot is never among the
+        verified ones, and neither is any later slot of its row (survival does not increase along a row).
+        See :meth:`draft_caps` for the arguments and the exactness argument.
+
+        Returns:
+            ``[B]`` bool: rows that keep position ``step``.
+        """
+        return self.draft_caps(step, draft_probs, num_drafts, lookahead=False) > step
+
+    def draft_caps(self, step: int, draft_probs: torch.Tensor, num_drafts: torch.Tensor,
+                   lookahead: bool = True) -> torch.Tensor:
+        """Early stop of drafting: how many positions each row drafts at most, decided after position ``step``.
 
         Called by a model draft after it computed the q rows of position ``step`` for every row (before any
-        target work). A row drops position ``step`` and stops drafting when that slot's survival is strictly
-        below the ``B*``-th largest survival of the slots known so far: the final allocation ranks a superset of
-        those slots with the same stale ``B*`` (chosen in the previous round), so such a slot is never among
-        the verified ones, and neither is any later slot of its row (survival does not increase along a row).
-        The caps :meth:`plan` then computes are the ones full drafting would give; only draft work and the
-        target's forward width shrink. The decision for position ``step`` depends on q rows ``<= step``, i.e. on
-        the drafted tokens before ``step``, never on the token drawn at ``step`` (the exactness condition).
+        target work). With ``t`` the ``B*``-th largest survival of the slots known so far (positions
+        ``<= step``; the final allocation ranks a superset of them with the same stale ``B*``, so its ``B*``-th
+        largest is ``>= t``):
+
+        - a row whose slot ``step`` has survival ``< t`` drops it: cap ``step`` (:meth:`draft_filter`);
+        - look-ahead (ours): a row whose slot ``step + 1`` cannot reach ``t`` whatever its q row is -- its
+          survival is at most ``S_step * sigmoid(|omega| * 40 + beta_{step+1})``, the feature being clamped to
+          [-40, 40] -- stops after ``step``: cap ``step + 1``, and the draft skips the forward that would only
+          have shown that slot ``step + 1`` is out of the budget.
+
+        The caps :meth:`plan` then computes are the ones full drafting would give (every dropped slot is outside
+        the final top-``B*``); only draft work and the target's forward width shrink. Decisions after position
+        ``step`` depend on q rows ``<= step``, i.e. on the drafted tokens before ``step``, never on the token
+        drawn at ``step`` (the exactness condition of spec section 1).
 
         Args:
             step: the position just drafted.
             draft_probs: ``[B, step + 1, V]`` q rows of positions ``0..step``.
             num_drafts: ``[B]`` int64 positions each row currently drafts (``> step`` = still drafting).
+            lookahead: also stop rows whose next slot cannot be verified.
 
         Returns:
-            ``[B]`` bool: rows that keep position ``step``.
+            ``[B]`` int64 caps, ``<= num_drafts``.
         """
         batch = draft_probs.shape[0]
         keep = num_drafts > step
         if self.stale_budget is None or not self.prune or not bool(keep.any()):
-            return keep
+            return num_drafts.clone()
         features = feature_from_probs(draft_probs)
         surv = survival(self.estimator.predict(features), torch.clamp(num_drafts, max=step + 1))  # [B, step+1]
         known = torch.arange(step + 1)[None, :] < torch.clamp(num_drafts, max=step + 1)[:, None]
@@ -112,12 +135,20 @@ class AdaptiveVerification:
         if budget <= 0:
             threshold = float("inf")  # nothing can be verified
         elif values.numel() < budget:
-            return keep
+            return num_drafts.clone()
         else:
             threshold = float(values.sort(descending=True).values[budget - 1])
-        kept = keep & (surv[torch.arange(batch), step] >= threshold)
-        self.pruned += int((num_drafts - step).clamp_min(0)[keep & ~kept].sum())  # never drafted: pruned
-        return kept
+        rows = torch.arange(batch)
+        current = surv[rows, step]
+        kept = keep & (current >= threshold)
+        caps = torch.where(keep & ~kept, torch.full_like(num_drafts, step), num_drafts)
+        if lookahead and step + 1 < self.estimator.num_positions:
+            best_next = torch.sigmoid(torch.tensor(abs(self.estimator.slope) * 40.0, dtype=torch.float64)
+                                      + self.estimator.intercepts[step + 1])
+            stop = kept & (num_drafts > step + 1) & ~(current * best_next >= threshold)
+            caps = torch.where(stop, torch.full_like(num_drafts, step + 1), caps)
+        self.pruned += int((num_drafts - caps).clamp_min(0).sum())  # never drafted: pruned
+        return caps
 
     def observe(self, features, predictions, accept_len, num_verify) -> None:
         """Feed verified outcomes back to the estimator: ``features [B, L]``, ``predictions [B, L]`` from

@@ -43,9 +43,11 @@ def choose_budget(survivals: torch.Tensor, costs: CostTable, non_draft_tokens: i
             runs all its steps). With early stop of drafting (ours, :meth:`specadapt.budget.adaptive.
             AdaptiveVerification.draft_filter`) the draft runs only as deep as the budget reaches, so pass the
             number of steps ``draft_ms(R)`` was profiled for (L): drafting then costs
-            ``draft_ms(R) * min(d(B) + 1, L) / L``, where ``d(B)`` is the deepest position (1-based, 0 when
-            ``B = 0``) among the top-B slots and the ``+ 1`` is the step whose q rows showed that the next slot
-            falls outside the budget.
+            ``draft_ms(R) * max(d(B), 1) / L``, where ``d(B)`` is the deepest position (1-based, 0 when
+            ``B = 0``) among the top-B slots: a draft forward per drafted position, and at least the one that
+            yields position 1's q rows (the draft's catch-up on the accepted tokens runs every round). The
+            forward that would only show that slot ``d + 1`` is out of the budget is skipped by the look-ahead of
+            :meth:`~specadapt.budget.adaptive.AdaptiveVerification.draft_caps` when its bound rules it out.
 
     Returns:
         ``B*`` (int, ``0 <= B* <= R*K``).
@@ -69,7 +71,7 @@ def choose_budget(survivals: torch.Tensor, costs: CostTable, non_draft_tokens: i
         if b > 0:
             expected += ranked[b - 1]
             deepest = max(deepest, depth_of[b - 1])
-        draft_b = draft if draft_steps is None else draft * min(deepest + 1, draft_steps) / draft_steps
+        draft_b = draft if draft_steps is None else draft * min(max(deepest, 1), draft_steps) / draft_steps
         rate = expected / (draft_b + costs.verify_cost(t + b))
         if best_rate is None or rate > best_rate:
             best_b, best_rate = b, rate

@@ -129,7 +129,7 @@ class SpeculativeEngine:
             raise ValueError("adaptive verification works with chain and block, not gbv")
         self.adaptive = adaptive
         # early stop of drafting (exact: the same caps as drafting everything) for model drafts
-        draft.draft_filter = adaptive.draft_filter if adaptive is not None and adaptive.early_stop else None
+        draft.draft_filter = adaptive.draft_caps if adaptive is not None and adaptive.early_stop else None
         self.tts = tts  # an engine.tts_bridge.EngineTTS or None
         if verify_impl not in kernels.IMPLEMENTATIONS:
             raise ValueError(f"verify_impl must be one of {kernels.IMPLEMENTATIONS}, got {verify_impl!r}")
