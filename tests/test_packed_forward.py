@@ -16,7 +16,7 @@ def _chunk(g, counts, vocab=40):
 
 
 def _run(model, steps, packed, batch=3, chunk_masks=None):
-    kv = RaggedKVCache(model, batch, compact_min_waste=2, compact_fraction=0.0, packed=packed)
+    kv = RaggedKVCache(model, batch, compact_min_waste=2, compact_fraction=0.0, packed=packed, pack_below=1.0)
     outs = []
     for i, (ids, counts, keep) in enumerate(steps):
         kwargs = {}
@@ -58,7 +58,7 @@ def test_packed_forward_feeds_only_the_real_tokens_to_the_model():
     hook = model.model.embed_tokens.register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
     try:
         ids, counts = _chunk(torch.Generator().manual_seed(1), (5, 2, 3))
-        RaggedKVCache(model, 3, packed=True).forward(ids, counts)
+        RaggedKVCache(model, 3, packed=True, pack_below=1.0).forward(ids, counts)
         RaggedKVCache(model, 3, packed=False).forward(ids, counts)
     finally:
         hook.remove()
@@ -85,7 +85,7 @@ def test_packed_tree_chunks_and_logits_to_keep():
             depth[r, i] = int(mask[r, i].sum()) - 1
     results = {}
     for packed in (False, True):
-        kv = RaggedKVCache(model, 2, packed=packed)
+        kv = RaggedKVCache(model, 2, packed=packed, pack_below=1.0)
         last = kv.forward(prefix_ids, prefix_counts, logits_to_keep=2)
         tree = kv.forward(tree_ids, counts, chunk_mask=mask, chunk_positions=depth)
         results[packed] = (last, tree)
@@ -118,3 +118,32 @@ def test_the_model_attention_implementation_is_restored():
     ids, counts = _chunk(torch.Generator().manual_seed(3), (3, 1))
     RaggedKVCache(model, 2, packed=True).forward(ids, counts)
     assert model.config._attn_implementation == before and active_packing() is None
+
+
+def test_pack_below_leaves_nearly_full_chunks_padded():
+    model = tiny_llama(vocab=40, layers=1, seed=8)
+    g = torch.Generator().manual_seed(4)
+    kv = RaggedKVCache(model, 2, packed=True, pack_below=0.5)
+    kv.forward(*_chunk(g, (4, 3)))  # 7 of 8 real: padded
+    assert kv.num_packed_forwards == 0
+    kv.forward(*_chunk(g, (4, 1)))  # 5 of 8: padded
+    assert kv.num_packed_forwards == 0
+    kv.forward(*_chunk(g, (4, 0)))  # 4 of 8: packed
+    assert kv.num_packed_forwards == 1
+    with pytest.raises(ValueError, match="pack_below"):
+        RaggedKVCache(model, 1, packed=True, pack_below=1.5)
+
+
+def test_target_probs_are_computed_on_real_rows_only():
+    from specadapt.engine.loop import _real_row_probs
+    from specadapt.sampling import SamplingParams, logits_to_probs
+
+    params = SamplingParams(0.8, 0.9)
+    logits = torch.randn(3, 4, 50, generator=torch.Generator().manual_seed(5))
+    num_real = torch.tensor([4, 1, 2])
+    probs = _real_row_probs(logits, num_real, params)
+    full = logits_to_probs(logits, params)
+    real = torch.arange(4)[None, :] < num_real[:, None]
+    torch.testing.assert_close(probs[real], full[real])
+    assert torch.all(probs[~real] == 1.0 / 50)
+    torch.testing.assert_close(_real_row_probs(logits, torch.tensor([4, 4, 4]), params), full)

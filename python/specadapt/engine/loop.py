@@ -266,7 +266,7 @@ class SpeculativeEngine:
         logits = out.logits
         if self.draft.needs_target_hidden:
             self.draft.observe_target(self.draft.target_features(out.hidden_states))
-        target_probs = logits_to_probs(logits, self.sampling).cpu()
+        target_probs = _real_row_probs(logits, n_draft + 1, self.sampling)
         out = kernels.verify(
             self.verify_name,
             candidates,
@@ -353,6 +353,19 @@ class TokenTree:
     depth: torch.Tensor
     ancestor_mask: torch.Tensor
     path_slots: torch.Tensor
+
+
+def _real_row_probs(logits: torch.Tensor, num_real: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """Target probabilities ``[B, n, V] float32`` (CPU) of a ragged verify chunk: the sampling transform (top-p
+    sorts every row) runs on the ``num_real[r]`` real rows of each request only; hole rows, which verification
+    never reads, are uniform."""
+    batch, width, vocab = logits.shape
+    real = torch.arange(width, device=logits.device)[None, :] < num_real.to(logits.device)[:, None]
+    if bool(real.all()):
+        return logits_to_probs(logits, sampling).cpu()
+    probs = torch.full((batch, width, vocab), 1.0 / vocab, dtype=torch.float32)
+    probs[real.cpu()] = logits_to_probs(logits[real], sampling).cpu()
+    return probs
 
 
 def build_token_tree(tokens: torch.Tensor) -> TokenTree:
