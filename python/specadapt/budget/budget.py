@@ -2,8 +2,8 @@
 
 Survival ``S[r, k] = prod_{j <= k} p_j(r)`` is the estimated probability that draft ``k`` of request ``r`` is
 accepted. With ``B`` draft slots verified across the batch, expected tokens are ``E(B) = N_req + (sum of the B
-largest survivals)`` and the cost is ``C(B) = draft_ms(N_req) + verify_ms(T + B)`` (with early stop of drafting, the draft term scales with the
-depth the budget reaches: see :func:`choose_budget`); the budget is
+largest survivals)`` and the cost is ``C(B) = draft_ms(N_req) + verify_ms(T + B)`` (with early stop of
+drafting, the draft term scales with the depth the budget reaches: see :func:`choose_budget`); the budget is
 ``B* = argmax E(B) / C(B)`` (smallest on ties) and the global top-B* slots are verified — a contiguous prefix
 of each request, because survival never increases along a request.
 
@@ -41,7 +41,7 @@ def choose_budget(survivals: torch.Tensor, costs: CostTable, non_draft_tokens: i
         non_draft_tokens: T, tokens the target processes besides drafts (default R: one per request).
         draft_steps: ``None`` for the spec's cost ``C(B) = draft_ms(R) + verify_ms(T + B)`` (the draft always
             runs all its steps). With early stop of drafting (ours, :meth:`specadapt.budget.adaptive.
-            AdaptiveVerification.draft_filter`) the draft runs only as deep as the budget reaches, so pass the
+            AdaptiveVerification.draft_caps`) the draft runs only as deep as the budget reaches, so pass the
             number of steps ``draft_ms(R)`` was profiled for (L): drafting then costs
             ``draft_ms(R) * max(d(B), 1) / L``, where ``d(B)`` is the deepest position (1-based, 0 when
             ``B = 0``) among the top-B slots: a draft forward per drafted position, and at least the one that

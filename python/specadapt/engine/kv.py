@@ -124,7 +124,7 @@ class RaggedKVCache:
             layout (holes hold zeros).
         pack_below: pack only chunks whose real tokens are at most this fraction of ``B * n`` (packing has a
             fixed cost per layer: scattering queries / keys / values and gathering outputs). Measured on the
-            2-core CPU with SmolLM2-135M and 200 tokens of context (runs/bench_packed.py): 7 of 12 slots real,
+            2-core CPU with SmolLM2-135M and 200 tokens of context (scripts/bench_packed_forward.py): 7 of 12 real,
             packed 75 ms vs padded 66 ms; 12 of 32, 72 vs 94 ms; 27 of 128, 108-123 vs 234-271 ms.
     """
 
@@ -232,7 +232,7 @@ class RaggedKVCache:
         mask = self._attention_mask(num_new, new_valid, chunk_mask)
         input_ids = input_ids.to(self.device)
         packing, kept, keep_last = None, None, int(logits_to_keep)
-        real = int(num_valid.sum())
+        real = int(num_valid.sum()) if self.packed else 0  # (a host sync on CUDA: only when packing is on)
         if self.packed and 0 < real < batch * num_new and real <= self.pack_below * batch * num_new:
             packing = Packing.from_valid(new_valid, self.model.config._attn_implementation)
             input_ids, position_ids = packing.pack(input_ids), packing.pack(position_ids)

@@ -52,10 +52,6 @@ class Packing:
         batch, width = valid.shape
         return cls(batch, width, valid.reshape(-1).nonzero().squeeze(1), base_attention)
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.flat.numel())
-
     def pack(self, chunk: torch.Tensor) -> torch.Tensor:
         """``[B, n, ...]`` -> ``[1, N, ...]`` (the real tokens, in order)."""
         return chunk.reshape(self.batch * self.width, *chunk.shape[2:]).index_select(0, self.flat)[None]
