@@ -1,5 +1,7 @@
 """Budget selection and adaptive verification in the engine (exactness with pruning)."""
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -142,7 +144,8 @@ def test_early_stop_gives_the_caps_of_full_drafting(tiny_target, budget):
         av = AdaptiveVerification(estimator, costs, early_stop=mode != "full")
         av.stale_budget = budget
         draft = ModelDraft(self_draft(tiny_target, 1), params, torch.Generator().manual_seed(11), "self:1")
-        draft.draft_filter = {"full": None, "filter": av.draft_filter, "caps": av.draft_caps}[mode]
+        filter_only = functools.partial(av.draft_caps, lookahead=False)
+        draft.draft_filter = {"full": None, "filter": filter_only, "caps": av.draft_caps}[mode]
         draft.start(histories)
         forwards = []
         inner = draft.kv.forward
@@ -195,7 +198,26 @@ def test_draft_filter_is_off_without_a_budget_or_pruning():
     costs = CostTable(target_ms=[1.0] * 8, draft_ms=[0.0])
     av = AdaptiveVerification(AcceptanceEstimator(3), costs)
     probs = torch.full((2, 1, 5), 0.2)
-    assert av.draft_filter(0, probs, torch.tensor([3, 0])).tolist() == [True, False]  # no stale budget yet
+    assert (av.draft_caps(0, probs, torch.tensor([3, 0])) > 0).tolist() == [True, False]  # no stale budget yet
     av.stale_budget = 0
     av.prune = False
-    assert av.draft_filter(0, probs, torch.tensor([3, 3])).tolist() == [True, True]
+    assert (av.draft_caps(0, probs, torch.tensor([3, 3])) > 0).tolist() == [True, True]
+
+
+def test_draft_caps_reuses_the_features_of_earlier_positions():
+    """Features are computed once per drafted position; the result equals a full recomputation each step."""
+    costs = CostTable(target_ms=[1.0] * 16, draft_ms=[0.0])
+    g = torch.Generator().manual_seed(7)
+    probs = torch.softmax(3 * torch.randn(3, 4, 20, generator=g), dim=-1)
+    num = torch.full((3,), 4)
+    cached = AdaptiveVerification(AcceptanceEstimator(4, init_slope=0.6), costs)
+    fresh = AdaptiveVerification(AcceptanceEstimator(4, init_slope=0.6), costs)
+    for av in (cached, fresh):
+        av.stale_budget = 5
+    for step in range(4):
+        fresh._round_features = None  # forces a full recomputation
+        a = cached.draft_caps(step, probs[:, : step + 1], num)
+        b = fresh.draft_caps(step, probs[:, : step + 1], num)
+        assert torch.equal(a, b)
+        torch.testing.assert_close(cached._round_features, fresh._round_features)
+    assert cached._round_features.shape == (3, 4)

@@ -147,3 +147,16 @@ def test_target_probs_are_computed_on_real_rows_only():
     torch.testing.assert_close(probs[real], full[real])
     assert torch.all(probs[~real] == 1.0 / 50)
     torch.testing.assert_close(_real_row_probs(logits, torch.tensor([4, 4, 4]), params), full)
+
+
+def test_packed_forward_with_eager_attention():
+    """A model on transformers' eager attention packs through its own modeling file's eager function."""
+    model = tiny_llama(vocab=40, layers=2, seed=9)
+    model.config._attn_implementation_internal = "eager"
+    steps = _steps(seed=3)
+    _, pad = _run(model, steps, packed=False)
+    kv, pack = _run(model, steps, packed=True)
+    assert kv.num_packed_forwards > 0
+    for (lp, _, counts), (lq, _, _) in zip(pad, pack):
+        real = torch.arange(lp.shape[1])[None, :] < counts[:, None]
+        torch.testing.assert_close(lq[real], lp[real], atol=1e-4, rtol=1e-4)

@@ -31,7 +31,7 @@ class AdaptiveVerification:
         pruned, verified: counters of draft tokens pruned / verified so far.
         prune: ``False`` runs the estimator without pruning (every draft verified), e.g. to log it at fixed L.
         early_stop: let model drafts stop drafting rows whose next slot falls outside the budget
-            (:meth:`draft_filter`; ``--av-no-early-stop`` turns it off to measure its effect).
+            (:meth:`draft_caps`; ``--av-no-early-stop`` turns it off to measure its effect).
         draft_log: an open text file receiving one JSON line per verified draft (see
             :mod:`specadapt.estimator.evaluation`), or ``None``.
     """
@@ -43,10 +43,11 @@ class AdaptiveVerification:
     verified: int = 0
     history: list = field(default_factory=list)
     prune: bool = True
-    early_stop: bool = True  # stop drafting a row once its next slot cannot be verified (draft_filter)
+    early_stop: bool = True  # stop drafting a row once its next slot cannot be verified (draft_caps)
     draft_log: object = None  # an open text file: one JSON line per verified draft (--log-drafts)
     rounds: int = 0
     _plan_refits: int = 0
+    _round_features: torch.Tensor | None = None  # draft_caps' features of the positions drafted so far
 
     def plan(self, draft_probs: torch.Tensor, num_drafts: torch.Tensor):
         """Decide how many drafts each request verifies.
@@ -80,20 +81,6 @@ class AdaptiveVerification:
         self.verified += int(num_verify.sum())
         return num_verify, features, predictions
 
-    def draft_filter(self, step: int, draft_probs: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
-        """Early stop of drafting: which rows keep draft position ``step`` (0-based); ``draft_caps(...) > step``.
-
-        A row drops position ``step`` and stops drafting when that slot's survival is strictly below the
-        ``B*``-th largest survival of the slots known so far: the final allocation ranks a superset of those
-        slots with the same stale ``B*`` (chosen in the previous round), so such a slot is never among the
-        verified ones, and neither is any later slot of its row (survival does not increase along a row).
-        See :meth:`draft_caps` for the arguments and the exactness argument.
-
-        Returns:
-            ``[B]`` bool: rows that keep position ``step``.
-        """
-        return self.draft_caps(step, draft_probs, num_drafts, lookahead=False) > step
-
     def draft_caps(self, step: int, draft_probs: torch.Tensor, num_drafts: torch.Tensor,
                    lookahead: bool = True) -> torch.Tensor:
         """Early stop of drafting: how many positions each row drafts at most, decided after position ``step``.
@@ -103,7 +90,8 @@ class AdaptiveVerification:
         ``<= step``; the final allocation ranks a superset of them with the same stale ``B*``, so its ``B*``-th
         largest is ``>= t``):
 
-        - a row whose slot ``step`` has survival ``< t`` drops it: cap ``step`` (:meth:`draft_filter`);
+        - a row whose slot ``step`` has survival ``< t`` drops it and stops: cap ``step`` (the slot is never
+          among the final top-``B*``, and neither is any later slot of its row: survival never increases);
         - look-ahead (ours): a row whose slot ``step + 1`` cannot reach ``t`` whatever its q row is -- its
           survival is at most ``S_step * sigmoid(|omega| * 40 + beta_{step+1})``, the feature being clamped to
           [-40, 40] -- stops after ``step``: cap ``step + 1``, and the draft skips the forward that would only
@@ -127,7 +115,7 @@ class AdaptiveVerification:
         keep = num_drafts > step
         if self.stale_budget is None or not self.prune or not bool(keep.any()):
             return num_drafts.clone()
-        features = feature_from_probs(draft_probs)
+        features = self._draft_features(step, draft_probs)
         surv = survival(self.estimator.predict(features), torch.clamp(num_drafts, max=step + 1))  # [B, step+1]
         known = torch.arange(step + 1)[None, :] < torch.clamp(num_drafts, max=step + 1)[:, None]
         values = surv[known]
@@ -149,6 +137,17 @@ class AdaptiveVerification:
             caps = torch.where(stop, torch.full_like(num_drafts, step + 1), caps)
         self.pruned += int((num_drafts - caps).clamp_min(0).sum())  # never drafted: pruned
         return caps
+
+    def _draft_features(self, step: int, draft_probs: torch.Tensor) -> torch.Tensor:
+        """``[B, step + 1]`` features of the q rows drafted so far this round: positions ``< step`` come from the
+        previous call (a draft calls :meth:`draft_caps` once per position, in order), only ``step`` is new."""
+        cached = self._round_features
+        if step > 0 and cached is not None and cached.shape == (draft_probs.shape[0], step):
+            features = torch.cat([cached, feature_from_probs(draft_probs[:, step : step + 1])], dim=1)
+        else:
+            features = feature_from_probs(draft_probs)
+        self._round_features = features
+        return features
 
     def observe(self, features, predictions, accept_len, num_verify) -> None:
         """Feed verified outcomes back to the estimator: ``features [B, L]``, ``predictions [B, L]`` from

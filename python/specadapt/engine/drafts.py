@@ -74,9 +74,9 @@ class Draft:
 
     needs_target_hidden = False
 
-    #: Optional early stop of drafting, ``(step, probs [B, step+1, V], num [B]) -> keep [B] bool`` (rows that
-    #: keep draft position ``step``) or ``-> caps [B] int64`` (see ``AdaptiveVerification.draft_caps``). Model
-    #: drafts consult it after each position (:func:`apply_draft_filter`); drafting ends when no row goes on.
+    #: Optional early stop of drafting, ``(step, probs [B, step+1, V], num [B]) -> caps [B] int64`` (see
+    #: ``AdaptiveVerification.draft_caps``). Model drafts consult it after each position
+    #: (:func:`apply_draft_filter`); drafting ends when no row goes on.
     draft_filter = None
 
     def target_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -105,11 +105,9 @@ class Draft:
 
 
 def apply_draft_filter(draft_filter, proposal: DraftProposal, step: int) -> bool:
-    """Apply ``draft_filter`` after position ``step`` was drafted.
-
-    ``draft_filter(step, probs [B, step+1, V], num [B])`` returns either ``[B]`` bool (rows that keep position
-    ``step``; the others get ``num_tokens = step``) or ``[B]`` int64 caps (``num_tokens = min(num, caps)``, e.g.
-    :meth:`specadapt.budget.adaptive.AdaptiveVerification.draft_caps`, which can also stop a row after ``step``).
+    """Apply ``draft_filter`` after position ``step`` was drafted: ``num_tokens = min(num_tokens, caps)`` with
+    ``caps [B] int64 = draft_filter(step, probs [B, step+1, V], num_tokens [B])`` (e.g.
+    :meth:`specadapt.budget.adaptive.AdaptiveVerification.draft_caps`).
 
     Returns:
         ``True`` when some row still drafts position ``step + 1`` (always ``True`` without a filter).
@@ -117,11 +115,8 @@ def apply_draft_filter(draft_filter, proposal: DraftProposal, step: int) -> bool
     if draft_filter is None:
         return True
     num = proposal.num_tokens
-    result = draft_filter(step, proposal.probs[:, : step + 1], num)
-    if result.dtype == torch.bool:
-        proposal.num_tokens = torch.where(result | (num <= step), num, torch.full_like(num, step))
-    else:
-        proposal.num_tokens = torch.minimum(num, result.to(num.dtype))
+    caps = draft_filter(step, proposal.probs[:, : step + 1], num)
+    proposal.num_tokens = torch.minimum(num, caps.to(num.dtype))
     return bool((proposal.num_tokens > step + 1).any())
 
 

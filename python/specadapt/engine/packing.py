@@ -92,13 +92,19 @@ def packed_attention(module, query, key, value, attention_mask, **kwargs):
     Raises:
         RuntimeError: called outside a packed forward (the implementation is only selected inside one).
     """
+    import sys
+
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from transformers.models.llama.modeling_llama import eager_attention_forward
 
     packing = _ACTIVE.get()
     if packing is None:
         raise RuntimeError(f"attention implementation {ATTENTION_NAME!r} used outside a packed forward")
-    base = ALL_ATTENTION_FUNCTIONS.get_interface(packing.base_attention, eager_attention_forward)
+    # "eager" is not in the registry: each modeling file defines its own (softcapping, sinks, ...); use the
+    # attention module's, as the model itself would
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    base = ALL_ATTENTION_FUNCTIONS.get_interface(packing.base_attention, eager)
+    if base is None:
+        raise RuntimeError(f"no attention function {packing.base_attention!r} for {type(module).__name__}")
     output, weights = base(module, packing.unpack_heads(query), key, value, attention_mask, **kwargs)
     return packing.pack(output), weights  # output [B, n, H, D] -> [1, N, H, D]
 
