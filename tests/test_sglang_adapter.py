@@ -266,8 +266,9 @@ def test_student_aliases_serving_storage_is_causal_and_padding_invariant():
     draft, student = _student()
     assert isinstance(student, Eagle3LlamaStudent)
     serving = dict(draft.named_parameters())
-    for name, key in student._names.items():
-        assert getattr(student.module, key).data_ptr() == serving[name].data_ptr()
+    assert set(student.weights.serving) == set(serving)
+    for name in serving:
+        assert student.weights.get(student.module, name).data_ptr() == serving[name].data_ptr()
     feats = torch.randn(2, 6, 48)
     tokens = torch.randint(40, (2, 6))
     mask = torch.ones(2, 6, dtype=torch.bool)
@@ -286,12 +287,12 @@ def test_student_aliases_serving_storage_is_causal_and_padding_invariant():
     assert student.trainable("model__fc__weight", None) and not student.trainable("model__embed_tokens__weight", None)
 
 
-def test_build_student_rejects_unknown_and_lora():
-    with pytest.raises(ValueError, match="no training forward"):
+def test_build_student_rejects_unknown_architectures_and_bad_params():
+    with pytest.raises(ValueError, match="no training forward.*LlamaForCausalLMEagle3.*Qwen3ForCausalLM"):
         build_student(nn.Linear(2, 2), None)
     draft = _Eagle3StandIn()
-    with pytest.raises(ValueError, match="lora"):
-        build_student(draft, draft.config, "lora")
+    with pytest.raises(ValueError, match="--tts-params"):
+        build_student(draft, draft.config, "everything")
 
 
 class _Mode:

@@ -67,6 +67,18 @@ def test_prepare_server_args_carries_the_values_to_the_scheduler(plugins_loaded,
     assert config_of(sa).tts_stride == 7
 
 
+def test_standalone_tts_with_lora_resolves(plugins_loaded, tiny_models):
+    from sglang.srt.arg_groups.overrides import resolved_view
+    from sglang.srt.server_args import prepare_server_args
+
+    sa = prepare_server_args(_args(tiny_models, "--tts", "--tts-params", "lora", "--tts-lora-rank", "4",
+                                   "--specadapt-verify", "block", algorithm="STANDALONE"))
+    sa.resolve_once()
+    carried = getattr(sa, SERVER_ARGS_ATTR)
+    assert (carried["tts"], carried["tts_params"], carried["tts_lora_rank"]) == (True, "lora", 4)
+    assert resolved_view(sa).speculative_use_rejection_sampling is True
+
+
 def test_no_flags_means_plugin_off(plugins_loaded, tiny_models):
     from sglang.srt.server_args import prepare_server_args
 
@@ -77,6 +89,7 @@ def test_no_flags_means_plugin_off(plugins_loaded, tiny_models):
 @pytest.mark.parametrize("extra, algorithm, match", [
     (["--tts"], None, "need speculative decoding"),
     (["--tts"], "NGRAM", "has none"),
+    (["--tts"], "DFLASH", "has none"),
     (["--specadapt-verify", "gbv"], "EAGLE3", "not implemented"),
     (["--specadapt-verify", "gbv", "--speculative-eagle-topk", "2"], "EAGLE3", "speculative-eagle-topk 3"),
     (["--specadapt-verify", "block"], "NGRAM", "cannot replace"),

@@ -105,7 +105,7 @@ def install_worker_hooks(scheduler, config: PluginConfig, asynchronous_tts: bool
         from .tts import SGLangTTS
 
         draft_model = worker.draft_worker.draft_runner.model
-        student = build_student(draft_model, draft_model.config, config.tts_params)
+        student = build_student(draft_model, draft_model.config, config.tts_params, config.tts_lora_rank)
         state.tts = SGLangTTS(student, config, asynchronous=asynchronous_tts)
     set_runtime(runtime)
     _STATE = state
@@ -147,7 +147,8 @@ def eagle_sample_around(original, verify_input, batch, logits_output, *args, **k
         state.runtime.pending_caps = caps
         plan = (caps, features, predictions)
     snap = None
-    if state.tts is not None and logits_output.hidden_states is not None:
+    uses_features = state.tts is not None and getattr(state.tts.student, "uses_features", True)
+    if state.tts is not None and (logits_output.hidden_states is not None or not uses_features):
         snap = state.tts.snapshot(
             [req.rid for req in batch.reqs], verify_input.draft_token, logits_output.hidden_states,
             logits_output.next_token_logits, batch.sampling_info.temperatures, draft_probs,

@@ -46,10 +46,13 @@ class Student(Protocol):
         module: ``nn.Module`` whose trainable parameters alias the serving draft's tensors.
         draft_vocab: ``[V_d] int64`` target-vocabulary id of each draft output row (EAGLE-3 hot vocabulary), or
             ``None`` when the draft predicts the target vocabulary.
+        uses_features: whether :meth:`logits` reads target features (EAGLE-3: aux hidden states; STANDALONE:
+            none, so snapshots keep none).
     """
 
     module: nn.Module
     draft_vocab: torch.Tensor | None
+    uses_features: bool
 
     def trainable(self, name: str, param: nn.Parameter) -> bool: ...
 
@@ -60,7 +63,8 @@ class Student(Protocol):
         ...
 
     def refresh(self) -> None:
-        """Refresh buffers derived from the weights after a publish (none for the EAGLE-3 Llama draft)."""
+        """After a publish / rollback: update what serving reads from the trained parameters (merge LoRA
+        adapters into the serving weights; nothing for full-parameter training)."""
         ...
 
 
@@ -125,7 +129,8 @@ class SGLangTTS:
         Args:
             rids: request ids, ``B`` of them.
             tokens: ``[B*S]`` or ``[B, S]`` int verified tokens (slot 0 = last committed token, then L drafts).
-            features: ``[B*S, H]`` target aux hidden states at those slots.
+            features: ``[B*S, H]`` target aux hidden states at those slots, or ``None`` for a student that reads
+                none (``uses_features = False``: a STANDALONE draft).
             target_logits: ``[B*S, V]`` the target's raw logits.
             temperatures: ``[B]`` or ``[B, 1]`` sampling temperatures (0 is treated as 1: greedy decoding
                 only needs the argmax, and a tempered law is a better teacher than a one-hot).
@@ -143,11 +148,22 @@ class SGLangTTS:
         temps = torch.where(temps > 0, temps, torch.ones_like(temps))
         teacher = torch.softmax(logits / temps, dim=-1)
         drafted = draft_probs.float() if draft_probs is not None else None
+        draft_width = getattr(self.student, "vocab_size", None)
         if vocab_ids is not None:
             ids = vocab_ids.to(logits.device)
             teacher = teacher.index_select(-1, ids)
             teacher = teacher / teacher.sum(-1, keepdim=True).clamp_min(1e-30)
             drafted = drafted.index_select(-1, ids) if drafted is not None else None
+        elif draft_width is not None and teacher.shape[-1] != draft_width:
+            if teacher.shape[-1] < draft_width:
+                raise ValueError(f"TTS: the target's logits have {teacher.shape[-1]} columns, fewer than the "
+                                 f"draft's vocabulary ({draft_width})")
+            # a padded target vocabulary: the draft cannot propose the extra ids; teach the renormalised rest
+            teacher = teacher[..., :draft_width]
+            teacher = teacher / teacher.sum(-1, keepdim=True).clamp_min(1e-30)
+            drafted = drafted[..., :draft_width] if drafted is not None else None
+        if features is None or not getattr(self.student, "uses_features", True):
+            features = teacher.new_zeros(batch, slots, 0)  # a STANDALONE draft reads no target features
         snap = {
             "rids": list(rids),
             "tokens": tokens.to(torch.int64).clone(),

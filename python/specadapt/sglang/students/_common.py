@@ -1,0 +1,169 @@
+"""Pieces every student shares: RMSNorm, RoPE, causal attention over left-aligned padded rows, and
+:class:`StudentWeights` -- the student's view of the serving draft's tensors, either aliased (``--tts-params
+full``: training updates them directly, publishes copy in place) or frozen behind low-rank adapters
+(``--tts-params lora``: publishes merge ``W0 + (alpha / r) B A`` into them in place).
+
+Plain torch (no sglang import); the RoPE initialisers come from transformers so scaled variants (llama3, yarn)
+match the serving model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["StudentWeights", "attention", "rms_norm", "rope_inv_freq", "rotate"]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32, cast back to ``weight``'s dtype (Llama / Qwen convention)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(weight.dtype) * weight
+
+
+def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
+    """``[head_dim / 2]`` float32 inverse RoPE frequencies of ``config`` (transformers' initialisers, so the
+    scaled variants match; ``partial_rotary_factor`` is not supported)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
+    if rope_type != "default" and rope_type in ROPE_INIT_FUNCTIONS:
+        inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        return inv_freq.float()
+    theta = float((params or {}).get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in the rotate-half layout (Llama / Qwen)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, inv_freq: torch.Tensor,
+              q_norm=None, k_norm=None) -> torch.Tensor:
+    """Causal GQA attention with RoPE over left-aligned padded rows.
+
+    Args:
+        q: ``[N, T, Hq, D]``; k, v: ``[N, T, Hkv, D]`` (``Hq`` a multiple of ``Hkv``).
+        mask: ``[N, T]`` bool, valid inputs (left-aligned); padded rows attend to themselves only (finite).
+        inv_freq: ``[D / 2]`` RoPE inverse frequencies; positions are ``0..T-1`` (RoPE is relative, so the
+            window's absolute offset does not change the scores).
+        q_norm, k_norm: per-head RMSNorm callables applied before RoPE (Qwen3), or ``None``.
+
+    Returns:
+        ``[N, T, Hq * D]``.
+    """
+    n, t, heads, d = q.shape
+    kv_heads = k.shape[2]
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    pos = torch.arange(t, device=q.device, dtype=torch.float32)
+    angles = pos[:, None] * inv_freq.to(q.device)[None, :]
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(q.dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(q.dtype)
+    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    if kv_heads != heads:
+        k, v = k.repeat_interleave(heads // kv_heads, dim=1), v.repeat_interleave(heads // kv_heads, dim=1)
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    allowed = causal[None, None] & mask[:, None, None, :]
+    allowed = allowed | torch.eye(t, dtype=torch.bool, device=q.device)[None, None]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=1.0 / math.sqrt(d))
+    return out.transpose(1, 2).reshape(n, t, heads * d)
+
+
+def _key(name: str) -> str:
+    return name.replace(".", "__")
+
+
+class StudentWeights:
+    """The student's parameters over the serving draft's tensors.
+
+    ``module`` (an ``nn.Module``, what :class:`specadapt.tts.TTSUpdater` copies and trains) holds, for every
+    name in ``names``, a frozen Parameter sharing storage with the serving tensor. With ``params="lora"`` it
+    also holds, for every name in ``adapted`` (2-D weights ``[out, in]``), a frozen copy of the original weight
+    ``W0`` and float32 adapters ``A [r, in]`` (Kaiming-uniform) and ``B [out, r]`` (zeros, so the student starts
+    equal to the draft). :meth:`linear` is ``x W0^T + (alpha / r) (x A^T) B^T`` there, and :meth:`refresh`
+    (called after each publish and rollback) writes ``W0 + (alpha / r) B A`` into the serving tensor in place:
+    SGLang's fused kernels and CUDA graphs read plain weights, so LoRA is merged, not run beside them.
+
+    Args:
+        named: serving tensors by dotted name (``dict(draft.named_parameters())``).
+        names: the names the student reads.
+        adapted: names that get LoRA adapters with ``params="lora"``.
+        params: ``full`` or ``lora``.
+        rank: LoRA rank ``r``; alpha: scale numerator (default ``r``: scale 1, as :class:`specadapt.tts.LoRALinear`).
+
+    Raises:
+        ValueError: ``params`` not ``full``/``lora``, ``rank < 1``, or an adapted name that is not a 2-D weight.
+    """
+
+    def __init__(self, named: dict[str, torch.Tensor], names, adapted=(), params: str = "full", rank: int = 8,
+                 alpha: float | None = None) -> None:
+        if params not in ("full", "lora"):
+            raise ValueError(f"--tts-params must be full or lora, got {params!r}")
+        if params == "lora" and rank < 1:
+            raise ValueError(f"--tts-lora-rank must be >= 1, got {rank}")
+        self.params = params
+        self.module = nn.Module()
+        self.serving: dict[str, torch.Tensor] = {}
+        for name in names:
+            tensor = named[name]
+            self.module.register_parameter(_key(name), nn.Parameter(tensor.data, requires_grad=False))
+            self.serving[name] = tensor.data
+        self.adapted = tuple(adapted) if params == "lora" else ()
+        self.scale = (alpha if alpha is not None else rank) / rank
+        for name in self.adapted:
+            w = self.serving[name]
+            if w.dim() != 2:
+                raise ValueError(f"LoRA needs a 2-D weight, {name} has shape {tuple(w.shape)}")
+            key = _key(name)
+            self.module.register_parameter("base__" + key, nn.Parameter(w.detach().clone(), requires_grad=False))
+            a = torch.empty(rank, w.shape[1], dtype=torch.float32, device=w.device)
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+            self.module.register_parameter("lora_a__" + key, nn.Parameter(a))
+            self.module.register_parameter(
+                "lora_b__" + key, nn.Parameter(torch.zeros(w.shape[0], rank, dtype=torch.float32, device=w.device)))
+
+    def is_adapter(self, param_name: str) -> bool:
+        """True for the LoRA adapters' parameter names in ``module``."""
+        return param_name.startswith(("lora_a__", "lora_b__"))
+
+    def get(self, module: nn.Module, name: str) -> torch.Tensor:
+        """The tensor ``name`` in ``module`` (the serving module or the trainer's shadow)."""
+        return getattr(module, _key(name))
+
+    def linear(self, module: nn.Module, name: str, x: torch.Tensor, bias: str | None = None) -> torch.Tensor:
+        """``x [..., in] -> [..., out]`` through weight ``name`` (and bias ``bias``), adapters included."""
+        b = None if bias is None else self.get(module, bias)
+        if name not in self.adapted:
+            return F.linear(x, self.get(module, name), b)
+        key = _key(name)
+        base = F.linear(x, getattr(module, "base__" + key), b)
+        a, bb = getattr(module, "lora_a__" + key), getattr(module, "lora_b__" + key)
+        return base + (self.scale * F.linear(F.linear(x.float(), a), bb)).to(base.dtype)
+
+    @torch.no_grad()
+    def merged(self, name: str) -> torch.Tensor:
+        """``W0 + (alpha / r) B A`` of adapted weight ``name`` from the serving module's adapters, weight dtype."""
+        key = _key(name)
+        base = getattr(self.module, "base__" + key)
+        a, b = getattr(self.module, "lora_a__" + key), getattr(self.module, "lora_b__" + key)
+        return (base.float() + self.scale * (b @ a)).to(base.dtype)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Merge the published adapters into the serving tensors in place (no-op with ``params="full"``)."""
+        for name in self.adapted:
+            self.serving[name].copy_(self.merged(name))
+
+    def nbytes_added(self) -> int:
+        """Bytes the LoRA mode adds beside the serving tensors (frozen copies + adapters)."""
+        return sum(p.numel() * p.element_size() for n, p in self.module.named_parameters()
+                   if n.startswith(("base__", "lora_a__", "lora_b__")))

@@ -1,0 +1,108 @@
+"""Student of SGLang's ``LlamaForCausalLMEagle3`` draft (EAGLE-3, Li et al. 2025), tensor parallelism 1.
+
+Fused target features ``fc(concat of the aux hidden states)``, one decoder layer whose attention reads
+``[input_layernorm(embed(x)), hidden_norm(h)]`` (width 2H) with the un-normalised ``h`` as residual, final norm
+and the draft's own LM head over the hot vocabulary. Teacher-forced: every position sees the target's features
+(the first drafting step's regime). The target's embedding (shared with the target) is never trained.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._common import StudentWeights, attention, rms_norm, rope_inv_freq
+
+__all__ = ["Eagle3LlamaStudent"]
+
+
+class Eagle3LlamaStudent:
+    """Differentiable forward of SGLang's EAGLE-3 Llama draft over its own tensors.
+
+    Args:
+        draft_model: the serving draft module (``worker.draft_worker.draft_runner.model``); parameters read by
+            name: ``model.fc.weight``, ``model.layers.0.{input_layernorm,hidden_norm,post_attention_layernorm}
+            .weight``, ``model.layers.0.self_attn.{qkv_proj,o_proj}.weight``, ``model.layers.0.mlp.
+            {gate_up_proj,down_proj}.weight``, ``model.norm.weight``, ``lm_head.weight``,
+            ``model.embed_tokens.weight``; ``hot_token_id`` (``[V_d]``) when the head is a hot vocabulary.
+        config: its HF config (``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``rms_norm_eps``,
+            RoPE settings).
+        params: ``full`` (the draft's own layers, LM head and norms train; publishes copy in place) or ``lora``
+            (rank-``lora_rank`` adapters on ``fc`` and the layer's four projections; publishes merge them).
+        lora_rank: adapter rank for ``params="lora"``.
+
+    Raises:
+        ValueError: a missing parameter, more than one decoder layer, a TP-sharded layout, or a bad ``params``.
+    """
+
+    uses_features = True
+    REQUIRED = (
+        "model.fc.weight", "model.layers.0.input_layernorm.weight", "model.layers.0.hidden_norm.weight",
+        "model.layers.0.post_attention_layernorm.weight", "model.layers.0.self_attn.qkv_proj.weight",
+        "model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.gate_up_proj.weight",
+        "model.layers.0.mlp.down_proj.weight", "model.norm.weight", "lm_head.weight",
+    )
+    ADAPTED = ("model.fc.weight", "model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+               "model.layers.0.mlp.gate_up_proj.weight", "model.layers.0.mlp.down_proj.weight")
+
+    def __init__(self, draft_model: nn.Module, config, params: str = "full", lora_rank: int = 8) -> None:
+        named = dict(draft_model.named_parameters())
+        missing = [n for n in self.REQUIRED + ("model.embed_tokens.weight",) if n not in named]
+        if missing:
+            raise ValueError(f"TTS: the draft has no parameter(s) {missing}; not an EAGLE-3 Llama draft")
+        if any(n.startswith("model.layers.1.") for n in named):
+            raise ValueError("TTS: EAGLE-3 drafts with more than one decoder layer are not supported yet")
+        self.config = config
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
+        hidden = int(config.hidden_size)
+        self.head_dim = int(getattr(config, "head_dim", None) or hidden // self.num_heads)
+        qkv_rows = named["model.layers.0.self_attn.qkv_proj.weight"].shape[0]
+        expected = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        if qkv_rows != expected:
+            raise ValueError(f"TTS: qkv_proj has {qkv_rows} rows, expected {expected}: tensor parallelism > 1 is not supported")
+        self.eps = float(getattr(config, "rms_norm_eps", 1e-6))
+        self.weights = StudentWeights(named, self.REQUIRED + ("model.embed_tokens.weight",), self.ADAPTED, params,
+                                      lora_rank)
+        self.module = self.weights.module
+        hot = getattr(draft_model, "hot_token_id", None)
+        self.draft_vocab = None if hot is None else torch.as_tensor(hot).to(torch.int64).reshape(-1)
+        self.inv_freq = rope_inv_freq(config, self.head_dim)
+
+    def trainable(self, name: str, param: nn.Parameter) -> bool:
+        """LoRA: the adapters. Full: the draft's own tensors, never the embedding (shared with the target)."""
+        if self.weights.params == "lora":
+            return self.weights.is_adapter(name)
+        return not name.startswith(("base__", "lora_")) and "embed_tokens" not in name
+
+    def refresh(self) -> None:
+        """After a publish / rollback: merge LoRA adapters into the serving weights (nothing to do for full)."""
+        self.weights.refresh()
+
+    def logits(self, module: nn.Module, features: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``features [N, T, 3H_t]`` (or ``[N, T, H]``), ``tokens [N, T]``, ``mask [N, T]`` -> ``[N, T, V_d]``."""
+        w = self.weights
+        p = lambda name: w.get(module, name)  # noqa: E731
+        dtype = p("model.fc.weight").dtype
+        embeds = F.embedding(tokens, p("model.embed_tokens.weight")).to(dtype)
+        h = features.to(dtype)
+        if h.shape[-1] != embeds.shape[-1]:
+            h = w.linear(module, "model.fc.weight", h)
+        residual = h
+        x = torch.cat([rms_norm(embeds, p("model.layers.0.input_layernorm.weight"), self.eps),
+                       rms_norm(h, p("model.layers.0.hidden_norm.weight"), self.eps)], dim=-1)
+        n, t, _ = x.shape
+        qkv = w.linear(module, "model.layers.0.self_attn.qkv_proj.weight", x)
+        nq, nkv, d = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.head_dim
+        q = qkv[..., :nq].reshape(n, t, self.num_heads, d)
+        k = qkv[..., nq:nq + nkv].reshape(n, t, self.num_kv_heads, d)
+        v = qkv[..., nq + nkv:].reshape(n, t, self.num_kv_heads, d)
+        attn = attention(q, k, v, mask, self.inv_freq)
+        h = w.linear(module, "model.layers.0.self_attn.o_proj.weight", attn) + residual
+        residual = h
+        gate_up = w.linear(module, "model.layers.0.mlp.gate_up_proj.weight",
+                           rms_norm(h, p("model.layers.0.post_attention_layernorm.weight"), self.eps))
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = w.linear(module, "model.layers.0.mlp.down_proj.weight", F.silu(gate) * up) + residual
+        return F.linear(rms_norm(h, p("model.norm.weight"), self.eps), p("lm_head.weight")).float()

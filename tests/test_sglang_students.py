@@ -1,0 +1,301 @@
+"""TTS students of the SGLang plugin without sglang: the STANDALONE dense-LM student against transformers'
+own forward (weights fused into SGLang's layout), LoRA adapters merged into the serving tensors at publishes,
+and TTS rounds of a STANDALONE draft (no target features) through the plugin's hooks.
+
+The same students on SGLang's real model classes (weights loaded by SGLang's own ``load_weights``) are tested
+in tests_sglang/test_sglang_students.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from specadapt.sglang.config import PluginConfig, PluginConfigError, validate_for_server
+from specadapt.sglang.install import PluginState, eagle_sample_around, forward_batch_generation_around, reset_state
+from specadapt.sglang import install as install_module
+from specadapt.sglang.students import DenseLMStudent, Eagle3LlamaStudent, build_student
+from specadapt.sglang.tts import SGLangTTS
+from specadapt.sglang.verify import VerifyRuntime
+
+_SMALL = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
+
+
+def _hf(family: str, tied: bool = False):
+    torch.manual_seed({"llama": 0, "qwen2": 1, "qwen3": 2}[family])
+    if family == "llama":
+        cfg = LlamaConfig(**_SMALL, tie_word_embeddings=tied)
+        model = LlamaForCausalLM(cfg)
+    elif family == "qwen2":
+        cfg = Qwen2Config(**_SMALL, tie_word_embeddings=tied)
+        model = Qwen2ForCausalLM(cfg)
+    else:
+        cfg = Qwen3Config(**_SMALL, head_dim=8, tie_word_embeddings=tied)
+        model = Qwen3ForCausalLM(cfg)
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():  # non-trivial norms, so a missed norm fails the comparison
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def _sglang_layout(hf_model, family: str) -> nn.Module:
+    """A module named and laid out as SGLang's model class (fused qkv_proj / gate_up_proj), copying hf_model."""
+    sd = hf_model.state_dict()
+    cfg = hf_model.config
+    draft = type(_ARCH[family], (nn.Module,), {})()
+    draft.config = cfg
+    params = {
+        "model.embed_tokens.weight": sd["model.embed_tokens.weight"],
+        "model.norm.weight": sd["model.norm.weight"],
+    }
+    if not cfg.tie_word_embeddings:
+        params["lm_head.weight"] = sd["lm_head.weight"]
+    for i in range(cfg.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        params[pre + "input_layernorm.weight"] = sd[pre + "input_layernorm.weight"]
+        params[pre + "post_attention_layernorm.weight"] = sd[pre + "post_attention_layernorm.weight"]
+        params[pre + "self_attn.qkv_proj.weight"] = torch.cat([sd[pre + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        if pre + "self_attn.q_proj.bias" in sd:
+            params[pre + "self_attn.qkv_proj.bias"] = torch.cat([sd[pre + f"self_attn.{x}_proj.bias"] for x in "qkv"])
+        params[pre + "self_attn.o_proj.weight"] = sd[pre + "self_attn.o_proj.weight"]
+        for norm in ("q_norm", "k_norm"):
+            if pre + f"self_attn.{norm}.weight" in sd:
+                params[pre + f"self_attn.{norm}.weight"] = sd[pre + f"self_attn.{norm}.weight"]
+        params[pre + "mlp.gate_up_proj.weight"] = torch.cat([sd[pre + "mlp.gate_proj.weight"], sd[pre + "mlp.up_proj.weight"]])
+        params[pre + "mlp.down_proj.weight"] = sd[pre + "mlp.down_proj.weight"]
+    for name, value in params.items():
+        *path, leaf = name.split(".")
+        owner = draft
+        for part in path:
+            if not hasattr(owner, part):
+                owner.add_module(part, nn.Module())
+            owner = getattr(owner, part)
+        owner.register_parameter(leaf, nn.Parameter(value.clone(), requires_grad=False))
+    return draft
+
+
+def _layer(draft, i):
+    return getattr(draft.model.layers, str(i))
+
+
+@pytest.mark.parametrize("family,tied", [("llama", False), ("qwen2", False), ("qwen3", False), ("qwen3", True)])
+def test_dense_student_equals_transformers_forward(family, tied):
+    hf = _hf(family, tied)
+    draft = _sglang_layout(hf, family)
+    student = build_student(draft, draft.config)
+    assert isinstance(student, DenseLMStudent) and not student.uses_features and student.tied == tied
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(50, (3, 9), generator=g)
+    lengths = torch.tensor([9, 6, 3])
+    mask = torch.arange(9)[None] < lengths[:, None]
+    with torch.no_grad():
+        ours = student.logits(student.module, None, tokens, mask)
+        for b in range(3):
+            n = int(lengths[b])
+            ref = hf(tokens[b:b + 1, :n]).logits[0]
+            assert torch.allclose(ours[b, :n], ref, atol=2e-5), (family, b, (ours[b, :n] - ref).abs().max())
+    assert ours.shape == (3, 9, 50) and torch.isfinite(ours).all()
+    # every tensor aliases the serving module's storage
+    for name, p in draft.named_parameters():
+        assert student.weights.get(student.module, name).data_ptr() == p.data_ptr()
+    # full-parameter training: the decoder layers, never the embedding / final norm / LM head
+    trainable = {n for n, p in student.module.named_parameters() if student.trainable(n, p)}
+    assert trainable and all(n.startswith("model__layers__") for n in trainable)
+    assert "model__layers__0__self_attn__qkv_proj__weight" in trainable
+
+
+def test_dense_student_rejects_what_it_cannot_train():
+    hf = _hf("llama")
+    draft = _sglang_layout(hf, "llama")
+    _layer(draft, 0).mlp.add_module("experts", nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="does not know the draft parameter.*experts"):
+        build_student(draft, draft.config)
+    draft = _sglang_layout(hf, "llama")
+    with pytest.raises(ValueError, match="hidden_act"):
+        DenseLMStudent(draft, SimpleNamespace(**{**draft.config.to_dict(), "hidden_act": "gelu"}))
+    sharded = _sglang_layout(hf, "llama")
+    w = _layer(sharded, 0).self_attn.qkv_proj.weight
+    _layer(sharded, 0).self_attn.qkv_proj.weight = nn.Parameter(w[: w.shape[0] // 2].clone())
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        build_student(sharded, sharded.config)
+    other = type("GemmaForCausalLM", (nn.Module,), {})()
+    with pytest.raises(ValueError, match="no training forward for the draft architecture GemmaForCausalLM"):
+        build_student(other, None)
+
+
+@pytest.mark.parametrize("kind", ["standalone", "eagle3"])
+def test_lora_publish_merges_adapters_into_the_serving_weights(kind):
+    if kind == "standalone":
+        draft = _sglang_layout(_hf("qwen2"), "qwen2")
+        student = build_student(draft, draft.config, "lora", 4)
+        args = (None, torch.randint(50, (2, 7)), torch.ones(2, 7, dtype=torch.bool))
+    else:
+        from test_sglang_adapter import _Eagle3StandIn
+
+        draft = _Eagle3StandIn()
+        student = build_student(draft, draft.config, "lora", 4)
+        assert isinstance(student, Eagle3LlamaStudent)
+        args = (torch.randn(2, 7, 48), torch.randint(40, (2, 7)), torch.ones(2, 7, dtype=torch.bool))
+    weights = student.weights
+    serving = dict(draft.named_parameters())
+    before = {n: p.detach().clone() for n, p in serving.items()}
+    trainable = [n for n, p in student.module.named_parameters() if student.trainable(n, p)]
+    assert trainable and all(n.startswith(("lora_a__", "lora_b__")) for n in trainable)
+    assert len(trainable) == 2 * len(weights.adapted)
+    with torch.no_grad():
+        start = student.logits(student.module, *args)
+        student.refresh()  # B = 0: merging changes nothing
+    assert all(torch.equal(serving[n], before[n]) for n in serving)
+    # a trained adapter: the LoRA forward moves, and refresh writes W0 + B A into exactly the adapted tensors
+    with torch.no_grad():
+        for name, p in student.module.named_parameters():
+            if name.startswith("lora_b__"):
+                p.normal_(0, 0.05)
+        adapted_out = student.logits(student.module, *args)
+    assert not torch.allclose(adapted_out, start, atol=1e-4)
+    ptrs = {n: p.data_ptr() for n, p in serving.items()}
+    student.refresh()
+    assert {n: p.data_ptr() for n, p in serving.items()} == ptrs  # in place: captured graphs see the merge
+    for name in serving:
+        if name in weights.adapted:
+            key = name.replace(".", "__")
+            a = getattr(student.module, "lora_a__" + key)
+            b = getattr(student.module, "lora_b__" + key)
+            assert torch.allclose(serving[name], before[name] + b @ a, atol=1e-6)
+        else:
+            assert torch.equal(serving[name], before[name])
+    # the serving draft now computes what the adapted student computed: a full-parameter student over the
+    # merged tensors gives the same logits
+    merged = build_student(draft, draft.config, "full")
+    with torch.no_grad():
+        assert torch.allclose(merged.logits(merged.module, *args), adapted_out, atol=1e-4)
+    # zero adapters (what a rollback restores) merge back to the original weights
+    with torch.no_grad():
+        for name, p in student.module.named_parameters():
+            if name.startswith("lora_b__"):
+                p.zero_()
+    student.refresh()
+    assert all(torch.equal(serving[n], before[n]) for n in serving)
+    assert weights.nbytes_added() > 0
+
+
+class _Mode:
+    def __init__(self, kind):
+        self.kind = kind
+
+    def is_idle(self):
+        return False
+
+    def is_extend(self):
+        return self.kind == "extend"
+
+
+@pytest.mark.parametrize("params", ["full", "lora"])
+def test_standalone_tts_rounds_publish_in_place_without_target_features(params):
+    """STANDALONE: the target verify has no hidden states; the hooks still snapshot, train and publish (LoRA:
+    merged into the serving weights), every `stride` rounds, in place."""
+    draft = _sglang_layout(_hf("llama"), "llama")
+    student = build_student(draft, draft.config, params, 4)
+    stride = 2
+    cfg = PluginConfig(tts=True, tts_stride=stride, tts_lr=1e-2, tts_rollback_margin=1.0, tts_params=params,
+                       tts_lora_rank=4)
+    tts = SGLangTTS(student, cfg, asynchronous=False)
+    install_module._STATE = PluginState(config=cfg, runtime=VerifyRuntime(), tts=tts, algorithm="STANDALONE")
+    layer_w = _layer(draft, 1).mlp.down_proj.weight
+    embed_before = draft.model.embed_tokens.weight.clone()
+    ptr = layer_w.data_ptr()
+    seen = [layer_w.detach().clone()]
+    g = torch.Generator().manual_seed(4)
+    batch, slots, vocab = 2, 4, 50
+    try:
+        for _ in range(3 * stride + 1):
+            forward_batch_generation_around(lambda w, b: None, None, SimpleNamespace(
+                forward_mode=_Mode("decode"), is_extend_in_batch=False))
+            seen.append(layer_w.detach().clone())
+            verify_input = SimpleNamespace(draft_token=torch.randint(vocab, (batch * slots,), generator=g),
+                                           draft_probs=None)
+            logits_output = SimpleNamespace(next_token_logits=torch.randn(batch * slots, vocab, generator=g) * 3,
+                                            hidden_states=None)
+            b = SimpleNamespace(forward_mode=_Mode("decode"), reqs=[SimpleNamespace(rid=f"r{i}") for i in range(batch)],
+                                sampling_info=SimpleNamespace(temperatures=torch.ones(batch, 1)))
+            eagle_sample_around(lambda vi, bb, lo: (None, torch.tensor([3, 1]), None), verify_input, b, logits_output)
+            ex = tts._pending[-1]
+            assert ex.features.shape[-1] == 0 and ex.teacher.shape == (slots - 1, vocab) and ex.drafted is None
+        assert tts.updater.stats.publishes >= 2 and tts.updater.stats.updates >= 2
+        assert layer_w.data_ptr() == ptr
+        changes = [not torch.equal(seen[i], seen[i + 1]) for i in range(len(seen) - 1)]
+        assert any(changes) and not all(changes)  # weights move only at publishes
+        assert torch.equal(draft.model.embed_tokens.weight, embed_before)
+    finally:
+        reset_state()
+
+
+@pytest.mark.parametrize("params", ["full", "lora"])
+def test_standalone_tts_distils_toward_the_target(params):
+    """The target is the draft with perturbed layers (a draft falling out of step): updates through the plugin's
+    snapshot / record / round hooks bring the KL to it down by an order of magnitude."""
+    torch.manual_seed(0)
+    hf = _hf("qwen3")
+    draft = _sglang_layout(hf, "qwen3")
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "layers" in name:
+                p.add_(torch.randn_like(p) * 0.05)
+    tokens = torch.randint(50, (2, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        target_logits = hf(tokens).logits.reshape(10, 50)
+    student = build_student(draft, draft.config, params, 8)
+    tts = SGLangTTS(student, PluginConfig(tts=True, tts_stride=1, tts_lr=1e-2, tts_rollback_margin=1.0,
+                                          tts_params=params, tts_lora_rank=8), asynchronous=False)
+    losses = []
+    for _ in range(20):
+        snap = tts.snapshot(["a", "b"], tokens, None, target_logits, torch.ones(2))
+        tts.history.clear()
+        tts.record(snap, [4, 4])
+        with torch.no_grad():
+            losses.append(float(tts._loss(tts.updater.shadow, tts._pending)))
+        tts.on_round_start()
+    assert tts.updater.stats.updates >= 19
+    assert losses[-1] < 0.1 * losses[0], losses
+    # what the serving draft computes moved toward the target too (the publishes reached its tensors)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    served = build_student(draft, draft.config, "full")
+    fresh = _sglang_layout(_hf("qwen3"), "qwen3")  # the draft before adaptation (same seed)
+    original = build_student(fresh, fresh.config)
+    with torch.no_grad():
+        now = torch.log_softmax(served.logits(served.module, None, tokens, mask), -1)
+        start = torch.log_softmax(original.logits(original.module, None, tokens, mask), -1)
+    target = torch.softmax(target_logits.reshape(2, 5, 50), -1)
+    kl = lambda log_q: float((target * (target.clamp_min(1e-30).log() - log_q)).sum(-1)[:, 1:4].mean())  # noqa: E731
+    assert kl(now) < 0.3 * kl(start)
+
+
+def test_snapshot_trims_a_padded_target_vocabulary():
+    draft = _sglang_layout(_hf("llama"), "llama")
+    student = build_student(draft, draft.config)
+    tts = SGLangTTS(student, PluginConfig(tts=True), asynchronous=False)
+    logits = torch.randn(2 * 3, 64)  # target logits wider than the draft's 50 ids
+    snap = tts.snapshot(["a", "b"], torch.randint(50, (6,)), None, logits, torch.ones(2))
+    assert snap["teacher"].shape == (2, 3, 50)
+    assert torch.allclose(snap["teacher"].sum(-1), torch.ones(2, 3))
+    assert torch.allclose(snap["teacher"], torch.softmax(logits.reshape(2, 3, 64)[..., :50], -1), atol=1e-6)
+    with pytest.raises(ValueError, match="fewer than the draft's vocabulary"):
+        tts.snapshot(["a", "b"], torch.randint(50, (6,)), None, torch.randn(6, 40), torch.ones(2))
+
+
+def test_tts_flags_allow_standalone_and_lora_and_refuse_dflash():
+    server = SimpleNamespace(speculative_algorithm="STANDALONE", speculative_draft_model_path="/d",
+                             speculative_eagle_topk=1, device="cuda")
+    validate_for_server(PluginConfig(tts=True, tts_params="lora"), server)
+    server.speculative_algorithm = "DFLASH"
+    with pytest.raises(PluginConfigError, match="--tts trains a draft model.*DFLASH"):
+        validate_for_server(PluginConfig(tts=True), server)

@@ -1,0 +1,35 @@
+"""TTS students on SGLang 0.5.23's real draft model classes (built on CPU, weights loaded by SGLang's own
+``load_weights``; run in a subprocess: it creates a process group)."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_sglang_plugin import _probe
+
+
+@pytest.fixture(scope="module")
+def students():
+    return _probe("students", env={"SPECADAPT_NO_CUDA": "1"})
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_tied"])
+def test_standalone_student_matches_transformers_on_sglangs_loaded_weights(students, family):
+    """SGLang fuses q/k/v and gate/up at load time; the student reads that layout and computes the same logits
+    as the transformers model the weights came from."""
+    got = students[family]
+    assert got["student"] == "DenseLMStudent"
+    assert got["max_abs_diff"] < 1e-4, got
+    assert got["aliased"], "the student must alias every SGLang tensor (publishes land in the served storage)"
+    assert got["lora_merged_in_place"], "LoRA refresh must write W0 + B A into SGLang's own tensor"
+    assert got["tied"] == (family == "qwen3_tied")
+
+
+def test_eagle3_student_on_sglangs_class(students):
+    got = students["eagle3"]
+    assert got["student"] == "Eagle3LlamaStudent" and got["aliased"] and got["finite"]
+    assert got["logits_width"] == got["lm_head_rows"]
+    adapted = {n.split("__", 1)[1] for n in got["lora_trainable"]}
+    assert adapted == {"model__fc__weight", "model__layers__0__self_attn__qkv_proj__weight",
+                       "model__layers__0__self_attn__o_proj__weight", "model__layers__0__mlp__gate_up_proj__weight",
+                       "model__layers__0__mlp__down_proj__weight"}
