@@ -91,7 +91,7 @@ def test_env_config_inline_file_and_errors(tmp_path):
     (PluginConfig(verify="block"), _server(device="cpu"), "CUDA only"),
     (PluginConfig(adaptive_verification=True), _server(speculative_algorithm="DFLASH"), "q rows"),
     (PluginConfig(verify="gbv", num_paths=3), _server(speculative_eagle_topk=2), "--speculative-eagle-topk 3"),
-    (PluginConfig(verify="gbv", num_paths=3), _server(speculative_eagle_topk=3), "not implemented"),
+    (PluginConfig(verify="gbv", num_paths=3, tts=True), _server(speculative_eagle_topk=3), "--tts snapshots a single"),
     (PluginConfig(verify="gbv", num_paths=3), _server(speculative_algorithm="DFLASH"), "cannot replace"),
 ])
 def test_invalid_combinations(config, server, match):
@@ -104,6 +104,7 @@ def test_valid_combinations_pass():
     validate_for_server(PluginConfig(tts=True, verify="block", adaptive_verification=True), _server())
     validate_for_server(PluginConfig(verify="block"), _server(speculative_algorithm="DFLASH"))
     validate_for_server(PluginConfig(verify="chain"), _server(speculative_algorithm="STANDALONE"))
+    validate_for_server(PluginConfig(verify="gbv", num_paths=3), _server(speculative_eagle_topk=3))
 
 
 def test_plan_targets_per_algorithm():

@@ -90,7 +90,7 @@ def test_no_flags_means_plugin_off(plugins_loaded, tiny_models):
     (["--tts"], None, "need speculative decoding"),
     (["--tts"], "NGRAM", "has none"),
     (["--tts"], "DFLASH", "has none"),
-    (["--specadapt-verify", "gbv"], "EAGLE3", "not implemented"),
+    (["--specadapt-verify", "gbv", "--tts"], "EAGLE3", "--tts snapshots a single"),
     (["--specadapt-verify", "gbv", "--speculative-eagle-topk", "2"], "EAGLE3", "speculative-eagle-topk 3"),
     (["--specadapt-verify", "block"], "NGRAM", "cannot replace"),
     (["--tts-stride", "0"], "EAGLE3", "--tts-stride"),

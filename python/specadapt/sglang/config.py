@@ -31,9 +31,6 @@ ENV_CONFIG = "SPECADAPT_SGLANG_CONFIG"
 #: ``builtin`` leaves SGLang's own acceptance untouched; the others replace it with the specadapt kernels.
 VERIFY_CHOICES = ("builtin", "chain", "block", "gbv")
 
-#: Whether the plugin can draft K independent sampled paths inside SGLang (needed by ``gbv``).
-GBV_DRAFTING_AVAILABLE = False
-
 #: Algorithms whose sampler / acceptance the plugin knows how to replace, per rule.
 _RULE_ALGORITHMS = {
     "chain": ("EAGLE", "EAGLE3", "STANDALONE", "DFLASH"),
@@ -217,20 +214,30 @@ def validate_for_server(config: PluginConfig, server_args: Any) -> None:
             f"produce (use one of {', '.join(_AV_ALGORITHMS)})"
         )
     if config.verify == "gbv":
+        if config.num_paths < 2:
+            raise PluginConfigError("--specadapt-verify gbv needs --specadapt-num-paths >= 2 (K = 1 is block verification)")
         topk = _field(server_args, "speculative_eagle_topk")
         if topk is not None and int(topk) != config.num_paths:
             raise PluginConfigError(
                 f"--specadapt-verify gbv drafts --specadapt-num-paths={config.num_paths} sampled paths as the "
                 f"branches of SGLang's draft tree: set --speculative-eagle-topk {config.num_paths} (got {topk})"
             )
-        if config.num_paths < 2:
-            raise PluginConfigError("--specadapt-verify gbv needs --specadapt-num-paths >= 2 (K = 1 is block verification)")
-        if not GBV_DRAFTING_AVAILABLE:
+        steps = _field(server_args, "speculative_num_steps")
+        tokens = _field(server_args, "speculative_num_draft_tokens")
+        if steps is not None and tokens is not None and int(tokens) != config.num_paths * int(steps) + 1:
             raise PluginConfigError(
-                "--specadapt-verify gbv needs K independently sampled draft paths with their q rows; SGLang's EAGLE "
-                "draft graph builds a top-k beam tree instead, and the plugin's K-path sampled drafting hook is not "
-                "implemented in this version (the GBV rule itself is, in the embedded engine: specadapt generate "
-                "--verify gbv). Use --specadapt-verify block"
+                f"--specadapt-verify gbv verifies K={config.num_paths} chains of depth --speculative-num-steps="
+                f"{steps}: set --speculative-num-draft-tokens {config.num_paths * int(steps) + 1} (got {tokens})"
+            )
+        if config.adaptive_verification:
+            raise PluginConfigError(
+                "--adaptive-verification caps a single chain per request; it cannot be combined with "
+                "--specadapt-verify gbv in SGLang yet (use --specadapt-verify block with it)"
+            )
+        if config.tts:
+            raise PluginConfigError(
+                "--tts snapshots a single verified chain per request; it cannot be combined with "
+                "--specadapt-verify gbv in SGLang yet (use --specadapt-verify block with it)"
             )
     if config.tts:
         if algo not in _TTS_ALGORITHMS:

@@ -8,6 +8,7 @@ before CUDA graphs are captured (from the AFTER hook on ``Scheduler.maybe_init_d
 | ``--adaptive-verification``, ``--tts`` | EAGLE family | AROUND ``eagle_utils.eagle_sample`` (caps, snapshots, outcomes) |
 | ``--tts`` | EAGLE family | AROUND ``EAGLEWorkerV2.forward_batch_generation`` (round boundary, publish) |
 | ``--tts`` | EAGLE family | AFTER ``BaseSpecWorker.note_request_finished`` (drop history) |
+| ``--specadapt-verify gbv`` | EAGLE family | AROUND ``spec_utils.sample_draft_proposal`` and the draft extends (K sampled chains, :mod:`.gbv`); before the worker exists, AROUND ``EagleDraftWorker.__init__`` |
 
 After ``HookRegistry.apply_hooks()`` every target is checked (:func:`specadapt.sglang.plugin.check_applied`).
 """
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import gbv
 from .config import PluginConfig
 from .verify import VerifyRuntime, chain_speculative_sampling, dflash_accept_block, set_runtime
 
@@ -32,8 +34,13 @@ DFLASH_ACCEPT = "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2._accept_
 EAGLE_SAMPLE = "sglang.srt.speculative.eagle_utils.eagle_sample"
 EAGLE_FORWARD = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.forward_batch_generation"
 REQUEST_FINISHED = "sglang.srt.speculative.base_spec_worker.BaseSpecWorker.note_request_finished"
+DRAFT_WORKER_INIT = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.__init__"
+DRAFT_SAMPLER = "sglang.srt.speculative.spec_utils.sample_draft_proposal"
+EXTEND_PREFILL = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_prefill"
+EXTEND_DECODE = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_decode"
 #: Every target the plugin may hook in a scheduler process (tests check each exists in the installed sglang).
-HOOK_TARGETS = (CHAIN_SAMPLER, DFLASH_ACCEPT, EAGLE_SAMPLE, EAGLE_FORWARD, REQUEST_FINISHED)
+HOOK_TARGETS = (CHAIN_SAMPLER, DFLASH_ACCEPT, EAGLE_SAMPLE, EAGLE_FORWARD, REQUEST_FINISHED, DRAFT_WORKER_INIT,
+                DRAFT_SAMPLER, EXTEND_PREFILL, EXTEND_DECODE)
 EAGLE_FAMILY = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
 
 
@@ -71,7 +78,37 @@ def plan_targets(config: PluginConfig, algorithm: str) -> list[tuple[str, str, o
     if eagle and config.tts:
         targets.append((EAGLE_FORWARD, "AROUND", forward_batch_generation_around))
         targets.append((REQUEST_FINISHED, "AFTER", request_finished_after))
+    if eagle and config.verify == "gbv":
+        targets.append((DRAFT_SAMPLER, "AROUND", gbv.sample_draft_proposal_around))
+        targets.append((EXTEND_PREFILL, "AROUND", gbv.draft_extend_for_prefill_around))
+        targets.append((EXTEND_DECODE, "AROUND", gbv.draft_extend_for_decode_around))
     return targets
+
+
+def pre_worker_targets(config: PluginConfig) -> list[tuple[str, str, object]]:
+    """Hooks the speculative worker's constructor needs, installed before it runs (no sglang import)."""
+    if config.verify == "gbv":
+        return [(DRAFT_WORKER_INIT, "AROUND", gbv.draft_worker_init_around)]
+    return []
+
+
+def install_pre_worker_hooks(config: PluginConfig) -> None:
+    """Register and apply :func:`pre_worker_targets` (from the AROUND hook on ``maybe_init_draft_worker``).
+
+    Raises:
+        RuntimeError: a hook SGLang did not apply.
+    """
+    targets = pre_worker_targets(config)
+    if not targets:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from .plugin import check_applied
+
+    for target, kind, hook in targets:
+        HookRegistry.register(target, hook, getattr(HookType, kind))
+    HookRegistry.apply_hooks()
+    check_applied([t for t, _, _ in targets])
 
 
 def install_worker_hooks(scheduler, config: PluginConfig, asynchronous_tts: bool = True) -> PluginState:
@@ -107,6 +144,13 @@ def install_worker_hooks(scheduler, config: PluginConfig, asynchronous_tts: bool
         draft_model = worker.draft_worker.draft_runner.model
         student = build_student(draft_model, draft_model.config, config.tts_params, config.tts_lora_rank)
         state.tts = SGLangTTS(student, config, asynchronous=asynchronous_tts)
+    if config.verify == "gbv" and algorithm in EAGLE_FAMILY:
+        steps = int(server_args.speculative_num_steps or 1)
+        max_bs = int(getattr(server_args, "cuda_graph_max_bs", None) or getattr(server_args, "max_running_requests", None)
+                     or 64)
+        runtime.gbv = gbv.GBVDrafting.allocate(config.num_paths, steps, _draft_vocab(worker), max_bs,
+                                               getattr(worker, "device", "cpu"))
+        gbv.set_drafting(runtime.gbv)
     set_runtime(runtime)
     _STATE = state
     targets = plan_targets(config, algorithm)
@@ -117,6 +161,12 @@ def install_worker_hooks(scheduler, config: PluginConfig, asynchronous_tts: bool
     logger.info("specadapt: installed %d hook(s) in the scheduler (%s): %s", len(targets), algorithm,
                 ", ".join(t.rsplit(".", 2)[-2] + "." + t.rsplit(".", 1)[-1] for t, _, _ in targets))
     return state
+
+
+def _draft_vocab(worker) -> int:
+    """Vocabulary of the draft's q rows (the target's: rejection sampling needs a shared vocabulary)."""
+    runner = worker.draft_worker.draft_runner
+    return int(runner.model_config.vocab_size)
 
 
 def _tp_broadcast():
@@ -196,4 +246,5 @@ def reset_state() -> None:
     global _STATE
     _STATE = None
     set_runtime(None)
+    gbv.set_drafting(None)
 

@@ -11,8 +11,9 @@ DP controller, detokenizer). It registers only light hooks there:
 * a resolution hook on ``handle_speculative_decoding`` -- same validation for ``sglang.Engine(**kw)`` users
   (config from ``$SPECADAPT_SGLANG_CONFIG``), and the speculative flags the replaced sampler needs (SGLang only
   materialises the draft's q with rejection sampling on);
-* AFTER ``Scheduler.maybe_init_draft_worker`` -- in the scheduler process, once the speculative worker exists
-  and before any CUDA graph is captured, installs the heavy hooks (:mod:`.install`) and checks they applied.
+* AROUND ``Scheduler.maybe_init_draft_worker`` -- in the scheduler process: before the speculative worker is
+  built, the hooks its constructor needs (GBV only); after, once it exists and before any CUDA graph is
+  captured, the heavy hooks (:mod:`.install`); both checked applied.
 
 SGLang logs hook failures instead of raising; :func:`check_applied` turns a missing hook into an error.
 """
@@ -61,7 +62,7 @@ def register() -> None:
 
     HookRegistry.register(ADD_CLI_ARGS, _after_add_cli_args, HookType.AFTER)
     HookRegistry.register(FROM_CLI_ARGS, _after_from_cli_args, HookType.AFTER)
-    HookRegistry.register(INIT_DRAFT_WORKER, _after_init_draft_worker, HookType.AFTER)
+    HookRegistry.register(INIT_DRAFT_WORKER, _around_init_draft_worker, HookType.AROUND)
     register_resolution_hook(RESOLUTION_STEP)(_resolve_speculative)
     _registered = True
 
@@ -130,6 +131,18 @@ def _resolve_speculative(server_args, previous) -> None:
     validate_for_server(config, view)
     algo = str(view.speculative_algorithm or "").upper()
     needs_q = config.replaces_verification and algo in ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
+    if needs_q and config.verify == "gbv":
+        # K sampled chains as the branches of SGLang's top-K tree, every node kept (gbv.py); SGLang's own check
+        # refuses rejection sampling with a top-k above 1 (its chain kernel's need): hide the flag from it.
+        steps = int(view.speculative_num_steps or DEFAULT_CHAIN_STEPS)
+        declare_resolution(server_args, "specadapt", speculative_num_steps=steps,
+                           speculative_eagle_topk=config.num_paths,
+                           speculative_num_draft_tokens=config.num_paths * steps + 1,
+                           speculative_use_rejection_sampling=False)
+        previous(server_args)
+        declare_resolution(server_args, "specadapt", speculative_use_rejection_sampling=True)
+        validate_for_server(config, resolving_view(server_args))
+        return
     if needs_q:
         topk = view.speculative_eagle_topk
         if topk not in (None, 1):
@@ -157,12 +170,16 @@ def _resolve_speculative(server_args, previous) -> None:
     validate_for_server(config, resolving_view(server_args))
 
 
-def _after_init_draft_worker(result, scheduler, *args, **kwargs):
+def _around_init_draft_worker(original, scheduler, *args, **kwargs):
+    """AROUND ``Scheduler.maybe_init_draft_worker``: hooks the draft worker's constructor needs (GBV) before it
+    runs, the heavy hooks after (the speculative worker exists; no CUDA graph is captured yet)."""
     config = config_of(scheduler.server_args)
     if config is None or not config.enabled:
-        return result
-    from .install import install_worker_hooks
+        return original(scheduler, *args, **kwargs)
+    from .install import install_pre_worker_hooks, install_worker_hooks
 
+    install_pre_worker_hooks(config)
+    result = original(scheduler, *args, **kwargs)
     install_worker_hooks(scheduler, config)
     return result
 

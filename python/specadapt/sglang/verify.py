@@ -39,12 +39,13 @@ class VerifyRuntime:
     """Per-process state the replaced functions read.
 
     Attributes:
-        rule: ``chain`` or ``block``.
+        rule: ``chain``, ``block`` or ``gbv``.
         impl: kernel implementation passed to :func:`specadapt.kernels.verify` (``auto``).
         seed: seed of the coins the plugin draws itself (DFLASH).
         pending_caps: ``[B] int64`` drafts each request may verify this round (adaptive verification sets it
             right before SGLang's sampler runs and it is consumed by that call), or ``None``.
         calls: number of verification calls served (for start-up checks and logs).
+        gbv: the K-path drafting state (:class:`specadapt.sglang.gbv.GBVDrafting`) when ``rule == "gbv"``.
     """
 
     rule: str = "chain"
@@ -52,6 +53,7 @@ class VerifyRuntime:
     seed: int = 0
     pending_caps: torch.Tensor | None = None
     calls: int = 0
+    gbv: object = None  # specadapt.sglang.gbv.GBVDrafting with --specadapt-verify gbv
     _generators: dict = field(default_factory=dict)
 
     def take_caps(self) -> torch.Tensor | None:
@@ -139,6 +141,16 @@ def chain_speculative_sampling(
             shape means SGLang ran without rejection sampling, so q does not exist).
     """
     runtime = get_runtime()
+    if runtime.rule == "gbv":
+        from .gbv import gbv_speculative_sampling
+
+        if runtime.gbv is None:
+            raise RuntimeError("specadapt: --specadapt-verify gbv without its K-path drafting state")
+        gbv_speculative_sampling(runtime.gbv, predicts, accept_index, accept_token_num, candidates, retrive_index,
+                                 retrive_next_token, retrive_next_sibling, uniform_samples,
+                                 uniform_samples_for_final_sampling, target_probs, draft_probs, impl=runtime.impl)
+        runtime.calls += 1
+        return
     batch, slots = candidates.shape
     num_drafts = slots - 1
     if draft_probs.dim() != 3 or draft_probs.shape[1] != num_drafts:

@@ -1,0 +1,322 @@
+"""K-path sampled drafting inside SGLang's EAGLE draft, and greedy multi-path block verification (GBV) of it.
+
+SGLang 0.5.23 drafts a top-k beam tree (``--speculative-eagle-topk K``) or, under rejection sampling, one
+sampled chain. GBV needs K paths drawn independently from the draft, with every row ``q`` they were drawn from.
+The plugin gets them out of SGLang's own tree machinery, unchanged, by choosing what it is fed:
+
+* **Depth 1.** After the draft extend (prefill and decode, outside any CUDA graph) each request's next-round
+  input carries ``draft_probs = q_1 [B, V]``; :func:`first_draft_samples` replaces its ``topk_index [B, K]`` by K
+  independent samples from ``q_1`` (with replacement; a greedy request gets its top-K tokens) and its
+  ``topk_p`` by the fixed, strictly decreasing branch scores ``s_0 > ... > s_{K-1} > 0``.
+* **Depths 2..L.** Inside ``draft_forward`` (captured in SGLang's draft CUDA graph) each of the ``B*K`` rows
+  of step ``i`` is one branch; :func:`sample_draft_proposal_around` draws one token per row from that row's
+  ``q`` (SGLang's own sampler, per-branch seeds), copies ``q`` into a static buffer allocated before capture
+  (``q_rows[i] [B*K, V]``) and returns ``topk_p`` one-hot on the sample. ``select_top_k_tokens`` then scores
+  the K*K candidates ``s_j * onehot``: exactly the K branch continuations are non-zero, in branch order, so
+  step ``i+1`` row ``j`` is again branch ``j`` (and SGLang's per-branch draft KV slots hold each chain's own
+  history). ``organize_draft_results`` with ``--speculative-num-draft-tokens = K*L + 1`` keeps exactly the
+  K*L non-zero nodes: the tree is K chains of depth L.
+* **Verify.** The replaced chain sampler (:func:`specadapt.sglang.verify.chain_speculative_sampling`) sees the
+  tree; :func:`gbv_speculative_sampling` reads the chains off ``retrive_next_token`` / ``retrive_next_sibling``,
+  gathers each path's target rows, tokens and q rows (depth 1 from ``draft_probs[:, 0]``, deeper from the
+  buffer), runs :func:`specadapt.kernels.gbv_verify` and writes the chosen path's accepted nodes into SGLang's
+  ``accept_index`` / ``predicts`` (SGLang then compacts the accepted path, as for any top-k tree).
+
+Greedy batches keep SGLang's top-k tree and greedy verification (the draft graph's greedy variant). Nothing here
+imports sglang at module import.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .. import kernels
+
+logger = logging.getLogger("specadapt.sglang")
+
+__all__ = [
+    "GBVDrafting",
+    "branch_scores",
+    "chain_nodes",
+    "draft_extend_for_decode_around",
+    "draft_extend_for_prefill_around",
+    "draft_worker_init_around",
+    "first_draft_samples",
+    "gbv_speculative_sampling",
+    "get_drafting",
+    "sample_draft_proposal_around",
+    "set_drafting",
+]
+
+#: Offset between the per-branch seeds of a seeded request (odd, so distinct for every branch index).
+_BRANCH_SEED_STRIDE = 0x9E3779B1
+
+
+def branch_scores(num_paths: int, batch: int, device=None) -> torch.Tensor:
+    """``[B, K] float32`` scores ``s_k = 1 - k / (2K)``: positive and strictly decreasing, so SGLang's top-k
+    selections keep the branches in order (their values matter for nothing else)."""
+    scores = 1.0 - torch.arange(num_paths, dtype=torch.float32, device=device) / (2.0 * num_paths)
+    return scores[None, :].expand(batch, num_paths).contiguous()
+
+
+def _branch_seeds(sampling_seed: torch.Tensor | None, num_paths: int) -> torch.Tensor | None:
+    if sampling_seed is None:
+        return None
+    seeds = sampling_seed.reshape(-1).to(torch.int64).repeat_interleave(num_paths)
+    offsets = torch.arange(num_paths, dtype=torch.int64, device=seeds.device).repeat(sampling_seed.numel())
+    return seeds + offsets * _BRANCH_SEED_STRIDE
+
+
+def _fast_sample():
+    from sglang.srt.speculative.spec_utils import fast_sample
+
+    return fast_sample
+
+
+@dataclass
+class GBVDrafting:
+    """K-path drafting state of one scheduler process.
+
+    Attributes:
+        num_paths: K; num_steps: L (draft depth).
+        q_rows: ``[L-1, capacity, V] float32``: ``q_rows[i, b*K + k]`` is the row branch ``k`` of request ``b``
+            sampled its depth-``i+2`` token from (allocated before CUDA-graph capture: graphs write into it).
+        overflow: same for eager batches larger than ``capacity`` rows (never captured).
+    """
+
+    num_paths: int
+    num_steps: int
+    q_rows: torch.Tensor | None = None
+    overflow: torch.Tensor | None = None
+
+    @classmethod
+    def allocate(cls, num_paths: int, num_steps: int, vocab: int, max_requests: int, device) -> "GBVDrafting":
+        """Allocate the q-row buffer for ``max_requests`` requests (the largest captured draft batch)."""
+        if num_paths < 2 or num_steps < 1 or vocab < 1 or max_requests < 1:
+            raise ValueError(f"GBV drafting needs K >= 2, L >= 1, V >= 1, max_requests >= 1; got "
+                             f"{num_paths}, {num_steps}, {vocab}, {max_requests}")
+        q_rows = torch.zeros(max(num_steps - 1, 0), max_requests * num_paths, vocab, dtype=torch.float32,
+                             device=device)
+        logger.info("specadapt: GBV drafting K=%d L=%d, q-row buffer %.1f MB", num_paths, num_steps,
+                    q_rows.numel() * 4 / 2**20)
+        return cls(num_paths, num_steps, q_rows)
+
+    def record(self, draft_step: int, probs: torch.Tensor) -> None:
+        """Keep ``probs [B*K, V]``, the rows of draft step ``draft_step`` (1-based: depth ``draft_step + 1``)."""
+        rows = probs.shape[0]
+        if not 1 <= draft_step <= self.num_steps - 1:
+            raise ValueError(f"draft_step {draft_step} outside [1, {self.num_steps - 1}]")
+        if self.q_rows is not None and rows <= self.q_rows.shape[1]:
+            self.q_rows[draft_step - 1, :rows].copy_(probs)
+            return
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"specadapt GBV: a captured draft batch of {rows} rows exceeds the q-row buffer "
+                               f"({0 if self.q_rows is None else self.q_rows.shape[1]} rows)")
+        if self.overflow is None or self.overflow.shape[1] < rows or self.overflow.shape[2] != probs.shape[1]:
+            self.overflow = torch.zeros(self.num_steps - 1, rows, probs.shape[1], dtype=torch.float32,
+                                        device=probs.device)
+        self.overflow[draft_step - 1, :rows].copy_(probs)
+
+    def rows_for(self, batch: int) -> torch.Tensor:
+        """``[L-1, B*K, V]``: the q rows of the last draft of ``batch`` requests."""
+        rows = batch * self.num_paths
+        if self.q_rows is not None and rows <= self.q_rows.shape[1]:
+            return self.q_rows[:, :rows]
+        if self.overflow is None or self.overflow.shape[1] < rows:
+            raise RuntimeError(f"specadapt GBV: no q rows recorded for a batch of {batch} requests")
+        return self.overflow[:, :rows]
+
+
+_DRAFTING: GBVDrafting | None = None
+
+
+def set_drafting(drafting: GBVDrafting | None) -> None:
+    """Install (or clear) this process's :class:`GBVDrafting`."""
+    global _DRAFTING
+    _DRAFTING = drafting
+
+
+def get_drafting() -> GBVDrafting | None:
+    return _DRAFTING
+
+
+def first_draft_samples(probs: torch.Tensor, num_paths: int, top_ks: torch.Tensor | None = None,
+                        sampling_seed: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                        sampler=None):
+    """The K depth-1 drafts of each request: independent samples from its ``q_1`` row.
+
+    Args:
+        probs: ``[B, V] float`` the draft's depth-1 law ``q_1`` (SGLang's ``draft_probs``).
+        num_paths: K.
+        top_ks: ``[B]`` per-request top-k; rows with ``top_k <= 1`` are greedy and get their K most likely
+            tokens instead (their target law is one-hot, so any proposal is exact for them).
+        sampling_seed, positions: ``[B]`` SGLang's per-request seeds and positions (deterministic sampling); the
+            K branches get distinct seeds.
+        sampler: ``fast_sample``-compatible callable (SGLang's by default).
+
+    Returns:
+        ``(topk_p [B, K] float32`` branch scores, ``topk_index [B, K] int64)``.
+    """
+    batch, vocab = probs.shape
+    sampler = sampler or _fast_sample()
+    rows = probs.repeat_interleave(num_paths, dim=0)
+    seeds = _branch_seeds(sampling_seed, num_paths)
+    pos = None if positions is None else positions.reshape(-1).repeat_interleave(num_paths)
+    _, index = sampler(rows, 1, sampling_seed=seeds, positions=pos)
+    index = index.reshape(batch, num_paths).to(torch.int64)
+    if top_ks is not None:
+        greedy = (top_ks.reshape(-1) <= 1)[:, None]
+        top = probs.topk(min(num_paths, vocab), dim=-1).indices
+        if top.shape[1] < num_paths:
+            top = torch.cat([top, top[:, :1].expand(batch, num_paths - top.shape[1])], dim=1)
+        index = torch.where(greedy, top.to(torch.int64), index)
+    return branch_scores(num_paths, batch, probs.device), index
+
+
+# ---- hooks (installed by specadapt.sglang.install for --specadapt-verify gbv) -------------------------------
+def draft_worker_init_around(original, worker, *args, **kwargs):
+    """AROUND ``EagleDraftWorker.__init__``: SGLang asserts a top-k of 1 under rejection sampling there (its
+    chain kernel's need); GBV drafts K sampled chains, so the flag is hidden for the constructor only."""
+    from sglang.srt.runtime_context import get_spec
+
+    with get_spec().override(speculative_use_rejection_sampling=False):
+        return original(worker, *args, **kwargs)
+
+
+def _resample_first(draft_input, sampling_info, positions) -> None:
+    drafting = _DRAFTING
+    probs = getattr(draft_input, "draft_probs", None)
+    if drafting is None or draft_input is None or probs is None or probs.dim() != 2 or probs.shape[0] == 0:
+        return
+    top_ks = getattr(sampling_info, "top_ks", None)
+    seeds = getattr(sampling_info, "sampling_seed", None)
+    topk_p, topk_index = first_draft_samples(probs.float(), drafting.num_paths, top_ks, seeds, positions)
+    draft_input.topk_p, draft_input.topk_index = topk_p, topk_index
+
+
+def draft_extend_for_prefill_around(original, worker, batch, *args, **kwargs):
+    """AROUND ``EagleDraftWorker._draft_extend_for_prefill``: K depth-1 samples from the returned ``q_1``."""
+    result = original(worker, batch, *args, **kwargs)
+    _resample_first(result, getattr(batch, "sampling_info", None), getattr(batch, "seq_lens", None))
+    return result
+
+
+def draft_extend_for_decode_around(original, worker, batch, batch_result, *args, **kwargs):
+    """AROUND ``EagleDraftWorker._draft_extend_for_decode``: K depth-1 samples for the next round."""
+    result = original(worker, batch, batch_result, *args, **kwargs)
+    _resample_first(getattr(batch_result, "next_draft_input", None), getattr(batch, "sampling_info", None),
+                    getattr(batch_result, "new_seq_lens", None))
+    return result
+
+
+def sample_draft_proposal_around(original, next_token_logits, temperatures, top_ks=None, *, sampling_seed=None,
+                                 positions=None, draft_step: int = 0):
+    """AROUND ``spec_utils.sample_draft_proposal`` (SGLang's draft sampler, run inside the draft graph).
+
+    For a draft step (``draft_step >= 1``) over ``B*K`` branch rows: one sample per row with per-branch
+    settings, the rows' ``q`` kept in the :class:`GBVDrafting` buffer, ``topk_p [B*K, K]`` one-hot on the sample
+    (column 0), ``topk_index [B*K, K]`` the sample repeated, and branch 0's ``q`` ``[B, V]`` as the step's
+    ``draft_probs`` entry (SGLang stacks one ``[B, V]`` per depth). Other calls go to SGLang unchanged.
+    """
+    drafting = _DRAFTING
+    batch = temperatures.shape[0] if temperatures is not None else 0
+    rows = next_token_logits.shape[0]
+    if drafting is None or draft_step < 1 or batch == 0 or rows != batch * drafting.num_paths:
+        return original(next_token_logits, temperatures, top_ks, sampling_seed=sampling_seed, positions=positions,
+                        draft_step=draft_step)
+    k = drafting.num_paths
+    temps = temperatures.repeat_interleave(k, dim=0)
+    ks = None if top_ks is None else top_ks.reshape(-1).repeat_interleave(k)
+    seeds = _branch_seeds(sampling_seed, k)
+    pos = positions
+    if pos is not None and pos.numel() == batch:
+        pos = pos.reshape(-1).repeat_interleave(k)
+    probs, _, index = original(next_token_logits, temps, ks, sampling_seed=seeds, positions=pos,
+                               draft_step=draft_step)
+    drafting.record(draft_step, probs)
+    topk_p = torch.zeros(rows, k, dtype=torch.float32, device=probs.device)
+    topk_p[:, 0] = 1.0
+    topk_index = index.reshape(rows, 1).to(torch.int64).expand(rows, k).contiguous()
+    return probs.reshape(batch, k, -1)[:, 0], topk_p, topk_index
+
+
+# ---- verification -----------------------------------------------------------------------------------------
+def chain_nodes(retrive_next_token: torch.Tensor, retrive_next_sibling: torch.Tensor, num_paths: int,
+                num_steps: int) -> torch.Tensor:
+    """Local node ids ``[B, K, L] int64`` of the K root-to-leaf chains of SGLang's verify tree.
+
+    Args:
+        retrive_next_token: ``[B, N]`` first child of each local node (-1 none); retrive_next_sibling: ``[B, N]``
+            next sibling (-1 none); ``N = K*L + 1``, node 0 the root.
+
+    Raises:
+        ValueError: the tree is not K chains of depth L (a missing child or sibling).
+    """
+    batch, width = retrive_next_token.shape
+    if width != num_paths * num_steps + 1:
+        raise ValueError(f"specadapt GBV: the verify tree has {width} nodes per request, expected K*L+1 = "
+                         f"{num_paths * num_steps + 1}; set --speculative-num-draft-tokens {num_paths * num_steps + 1}")
+    nxt = retrive_next_token.to(torch.int64)
+    sib = retrive_next_sibling.to(torch.int64)
+    first = [nxt[:, 0]]
+    for _ in range(num_paths - 1):
+        first.append(sib.gather(1, first[-1].clamp_min(0)[:, None]).squeeze(1))
+    levels = [torch.stack(first, dim=1)]  # [B, K]
+    for _ in range(num_steps - 1):
+        levels.append(nxt.gather(1, levels[-1].clamp_min(0)))
+    nodes = torch.stack(levels, dim=2)
+    if bool((nodes < 0).any()):
+        raise ValueError("specadapt GBV: the verify tree is not K chains of depth L (was it drafted by the "
+                         "plugin's K-path hooks?)")
+    return nodes
+
+
+def gbv_speculative_sampling(drafting: GBVDrafting, predicts, accept_index, accept_token_num, candidates,
+                             retrive_index, retrive_next_token, retrive_next_sibling, uniform_samples,
+                             uniform_samples_for_final_sampling, target_probs, draft_probs, impl: str = "auto"):
+    """GBV over the K chains of SGLang's verify tree, written into SGLang's in-place outputs.
+
+    Layout (SGLang 0.5.23 ``eagle_sample`` under rejection sampling, top-k K): ``candidates [B, N] int64`` (node 0
+    the last committed token), ``retrive_index / retrive_next_token / retrive_next_sibling [B, N]``,
+    ``uniform_samples [B, N]`` (the first L are GBV's per-position coins), ``uniform_samples_for_final_sampling
+    [B]``, ``target_probs [B, N, V]`` (row of node n = target law after n), ``draft_probs [B, L, V]`` (row 0 =
+    ``q_1``, shared by the K paths), with ``N = K*L + 1``. Outputs: ``predicts [B*N]``, ``accept_index [B, L+1]``
+    (root then the accepted nodes of the chosen path), ``accept_token_num [B]`` (accepted drafts).
+
+    Raises:
+        ValueError: a tree that is not K chains of depth L, or shapes off this layout.
+    """
+    k, depth = drafting.num_paths, drafting.num_steps
+    batch, width = candidates.shape
+    vocab = target_probs.shape[-1]
+    nodes = chain_nodes(retrive_next_token, retrive_next_sibling, k, depth)  # [B, K, L]
+    branch = nodes[:, :, 0] - 1  # depth-1 nodes are local 1..K in branch order (organize_draft_results)
+    if bool(((branch < 0) | (branch >= k)).any()):
+        raise ValueError("specadapt GBV: depth-1 nodes are not local nodes 1..K")
+    if draft_probs.dim() != 3 or draft_probs.shape[1] != depth or draft_probs.shape[2] != vocab:
+        raise ValueError(f"specadapt GBV: draft_probs must be [B, L, V] = [{batch}, {depth}, {vocab}], got "
+                         f"{tuple(draft_probs.shape)}")
+    path_nodes = torch.cat([torch.zeros(batch, k, 1, dtype=torch.int64, device=nodes.device), nodes], dim=2)
+    flat = path_nodes.reshape(batch, -1)
+    tokens = candidates.to(torch.int64).gather(1, flat).reshape(batch, k, depth + 1)
+    target = target_probs.gather(1, flat[..., None].expand(-1, -1, vocab)).reshape(batch, k, depth + 1, vocab)
+    q_first = draft_probs[:, 0].float()[:, None, None, :].expand(batch, k, 1, vocab)
+    if depth > 1:
+        deeper = drafting.rows_for(batch).reshape(depth - 1, batch, k, vocab)  # [L-1, B, K(branch), V]
+        index = branch[None, :, :, None].expand(depth - 1, -1, -1, vocab)
+        deeper = deeper.gather(2, index).permute(1, 2, 0, 3)  # [B, K(path), L-1, V]
+        q = torch.cat([q_first, deeper.to(q_first.dtype)], dim=2)
+    else:
+        q = q_first
+    out = kernels.gbv_verify(tokens, target.float(), q.contiguous(), uniform_samples[:, :depth].float(),
+                             uniform_samples_for_final_sampling.reshape(-1).float(), impl=impl)
+    chosen = out.chosen_path.to(torch.int64)
+    chosen_nodes = path_nodes.gather(1, chosen[:, None, None].expand(-1, 1, depth + 1)).squeeze(1)
+    global_ids = retrive_index.to(torch.int64).gather(1, chosen_nodes)
+    from .verify import scatter_sglang_outputs
+
+    scatter_sglang_outputs(out.accept_len, out.output_tokens, global_ids, predicts, accept_index, accept_token_num)
+    return out
