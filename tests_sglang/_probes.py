@@ -191,6 +191,118 @@ def students():
     return out
 
 
+def gbv_draft(num_paths, num_steps):
+    """SGLang's own ``EagleDraftWorker.draft_forward`` (eager, on a stand-in worker whose draft model's logits
+    depend on the input token), ``select_top_k_tokens``, ``organize_draft_results`` and the Triton tree builder
+    (interpreted) under the plugin's K-path hooks; then the plugin's GBV over the resulting tree."""
+    import torch
+    from sglang.kernels.ops.speculative import spec_tree
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    import sglang.srt.speculative.eagle_utils as eu
+    import sglang.srt.speculative.eagle_worker_v2 as ew
+
+    from specadapt.sglang import gbv
+    from specadapt.sglang.install import DRAFT_SAMPLER
+
+    k, depth, batch, vocab, hidden = int(num_paths), int(num_steps), 3, 11, 8
+    HookRegistry.register(DRAFT_SAMPLER, gbv.sample_draft_proposal_around, HookType.AROUND)
+    HookRegistry.apply_hooks()
+    drafting = gbv.GBVDrafting.allocate(k, depth, vocab, batch, "cpu")
+    gbv.set_drafting(drafting)
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(vocab, vocab, generator=g) * 2  # the stand-in draft: logits = table[input token]
+    temperature = 0.8
+
+    class Runner:
+        model_config = SimpleNamespace(hf_config=SimpleNamespace(architectures=["LlamaForCausalLMEagle3"]),
+                                       model_is_mrope=False)
+        canary_manager = None
+
+        def forward(self, forward_batch):
+            logits = table[forward_batch.input_ids].clone()
+            return SimpleNamespace(logits_output=SimpleNamespace(
+                next_token_logits=logits, hidden_states=forward_batch.spec_info.hidden_states + 1))
+
+    worker = SimpleNamespace(hot_token_id=None, topk=k, speculative_num_steps=depth,
+                             speculative_num_draft_tokens=k * depth + 1, index_share_for_mtp_iteration=False,
+                             seed_dsa_topk_from_draft_extend=False, draft_runner=Runner(),
+                             draft_attn_backend=SimpleNamespace(attn_backends=[None] * depth),
+                             _topk1_parents_prealloc=torch.zeros(0))
+    ew.get_spec = lambda: SimpleNamespace(speculative_use_rejection_sampling=True)  # what the server resolves
+    q1 = torch.softmax(torch.randn(batch, vocab, generator=g), -1)
+    topk_p, topk_index = gbv.first_draft_samples(q1, k)
+    forward_batch = SimpleNamespace(
+        forward_mode=SimpleNamespace(is_idle=lambda: False),
+        spec_info=SimpleNamespace(topk_p=topk_p, topk_index=topk_index, hidden_states=torch.zeros(batch, hidden),
+                                  draft_probs=q1),
+        out_cache_loc=torch.arange(batch * k * depth), batch_size=batch, moe_num_token_non_padded=None,
+        sampling_info=SimpleNamespace(is_all_greedy=False, temperatures=torch.full((batch, 1), temperature),
+                                      top_ks=torch.zeros(batch, dtype=torch.int64), sampling_seed=None),
+        positions=torch.full((batch * k,), 5), input_ids=None)
+    parent_list, top_scores_index, draft_tokens, draft_probs = ew.EagleDraftWorker.draft_forward(worker, forward_batch)
+    eu.build_tree_kernel_efficient_func = spec_tree.sgl_build_tree_kernel_triton  # the CUDA kernel's twin
+    bonus = torch.tensor([3, 4, 5])
+    tree_mask, positions, ridx, nxt, sib, candidates = eu.build_tree_kernel_efficient(
+        bonus, parent_list, top_scores_index, draft_tokens, torch.tensor([5, 7, 9]), 21, k, depth, k * depth + 1)
+    n = k * depth + 1
+    candidates = candidates.reshape(batch, n)
+    nodes = gbv.chain_nodes(nxt, sib, k, depth)
+    chains = candidates.gather(1, nodes.reshape(batch, -1)).reshape(batch, k, depth)
+    # each path starts with its own depth-1 sample and each deeper q row is the draft's law after that path's
+    # previous token (the stand-in draft reads only the input token)
+    first_ok = bool(torch.equal(chains[:, :, 0], topk_index))
+    rows = drafting.rows_for(batch).reshape(depth - 1, batch, k, vocab)
+    q_ok = all(
+        torch.allclose(rows[d - 2, b, int(nodes[b, j, 0]) - 1], torch.softmax(table[chains[b, j, d - 2]] / temperature, -1))
+        for b in range(batch) for j in range(k) for d in range(2, depth + 1))
+    depths_ok = bool(torch.equal(positions.reshape(batch, n).gather(1, nodes.reshape(batch, -1)).reshape(batch, k, depth)
+                                 - torch.tensor([5, 7, 9])[:, None, None], torch.arange(1, depth + 1).expand(batch, k, depth)))
+    target = torch.softmax(torch.randn(batch, n, vocab, generator=g), -1)
+    predicts = torch.zeros(batch * n, dtype=torch.int32)
+    accept_index = torch.full((batch, depth + 1), -1, dtype=torch.int32)
+    accept_num = torch.zeros(batch, dtype=torch.int32)
+    out = gbv.gbv_speculative_sampling(drafting, predicts, accept_index, accept_num, candidates, ridx, nxt, sib,
+                                       torch.rand(batch, n, generator=g), torch.rand(batch, generator=g), target,
+                                       draft_probs, impl="reference")
+    path_ok = True
+    for b in range(batch):
+        c, t = int(out.chosen_path[b]), int(out.accept_len[b])
+        path = [0] + nodes[b, c].tolist()
+        path_ok &= accept_index[b].tolist() == [int(ridx[b, x]) for x in path[: t + 1]] + [-1] * (depth - t)
+        path_ok &= [int(predicts[int(ridx[b, x])]) for x in path[:t]] == chains[b, c, :t].tolist()
+    return {"nodes_per_request": n, "draft_probs_shape": list(draft_probs.shape), "first_samples_kept": first_ok,
+            "q_rows_match_each_path": q_ok, "depths_ok": depths_ok, "gbv_path_written": bool(path_ok),
+            "top_scores_index": top_scores_index[0].tolist()}
+
+
+def gbv_worker_init():
+    """The plugin's AROUND on EagleDraftWorker.__init__ hides rejection sampling from SGLang's top-k-1 assertion
+    for the constructor only (real ``get_spec()`` of a published GBV server configuration)."""
+    from sglang.srt.runtime_context import get_spec, publish
+    from sglang.srt.server_args import prepare_server_args
+
+    from specadapt.sglang import gbv
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    models = json.loads(os.environ["SPECADAPT_TINY_MODELS"])
+    server_args = prepare_server_args([
+        "--model-path", models["target"], "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
+        models["eagle3"], "--device", "cuda", "--skip-tokenizer-init", "--specadapt-verify", "gbv",
+        "--specadapt-num-paths", "3", "--speculative-num-steps", "4"])
+    server_args.resolve_once()
+    publish(server_args, role="test")
+    seen = {}
+
+    def constructor(worker, *args, **kwargs):  # stands for EagleDraftWorker.__init__'s check
+        seen["inside"] = get_spec().speculative_use_rejection_sampling
+        seen["topk"] = get_spec().speculative_eagle_topk
+
+    gbv.draft_worker_init_around(constructor, object())
+    return {"outside": get_spec().speculative_use_rejection_sampling, **seen,
+            "draft_tokens": get_spec().speculative_num_draft_tokens}
+
+
 if __name__ == "__main__":
     name, *args = sys.argv[1:]
     if name == "triton_compare":

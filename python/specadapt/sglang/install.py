@@ -146,8 +146,9 @@ def install_worker_hooks(scheduler, config: PluginConfig, asynchronous_tts: bool
         state.tts = SGLangTTS(student, config, asynchronous=asynchronous_tts)
     if config.verify == "gbv" and algorithm in EAGLE_FAMILY:
         steps = int(server_args.speculative_num_steps or 1)
-        max_bs = int(getattr(server_args, "cuda_graph_max_bs", None) or getattr(server_args, "max_running_requests", None)
-                     or 64)
+        # rows of the largest captured draft batch (graphs write into this buffer); larger eager batches use an
+        # overflow buffer allocated on demand
+        max_bs = int(getattr(server_args, "cuda_graph_max_bs", None) or 64)
         runtime.gbv = gbv.GBVDrafting.allocate(config.num_paths, steps, _draft_vocab(worker), max_bs,
                                                getattr(worker, "device", "cpu"))
         gbv.set_drafting(runtime.gbv)

@@ -1,0 +1,46 @@
+"""GBV inside the real sglang 0.5.23: start-up resolution, SGLang's own draft_forward / select_top_k_tokens /
+organize_draft_results / Triton tree builder under the plugin's K-path hooks, and the worker-constructor hook
+(subprocesses: hooks and the published runtime configuration are per process)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import pytest
+
+from test_sglang_plugin import SERVER_ARGS_ATTR, _args, _probe
+
+
+@pytest.mark.parametrize("num_paths, num_steps", [(3, 4), (2, 2)])
+def test_sglangs_draft_forward_drafts_k_sampled_chains(num_paths, num_steps):
+    got = _probe("gbv_draft", str(num_paths), str(num_steps),
+                 env={"SPECADAPT_NO_CUDA": "1", "TORCHDYNAMO_DISABLE": "1", "TRITON_INTERPRET": "1"})
+    assert got["nodes_per_request"] == num_paths * num_steps + 1
+    assert got["draft_probs_shape"] == [3, num_steps, 11]  # SGLang's [B, L, V] layout is kept
+    assert got["first_samples_kept"], "depth 1 must be the K independent samples"
+    assert got["q_rows_match_each_path"], "every deeper q row must be the law its path's token was drawn from"
+    assert got["depths_ok"], "the tree builder must place path nodes at depths 1..L"
+    assert got["gbv_path_written"], "accept_index / predicts must follow the chosen path"
+
+
+def test_gbv_resolution_sets_the_tree_shape(plugins_loaded, tiny_models):
+    from sglang.srt.arg_groups.overrides import resolved_view
+    from sglang.srt.server_args import prepare_server_args
+
+    sa = prepare_server_args(_args(tiny_models, "--specadapt-verify", "gbv", "--specadapt-num-paths", "3",
+                                   "--speculative-num-steps", "4"))
+    sa.resolve_once()
+    view = resolved_view(sa)
+    assert (view.speculative_eagle_topk, view.speculative_num_draft_tokens) == (3, 13)
+    assert view.speculative_use_rejection_sampling is True  # q rows exist
+    assert getattr(sa, SERVER_ARGS_ATTR)["verify"] == "gbv"
+
+
+def test_worker_constructor_hook_hides_rejection_sampling_only_inside(tiny_models):
+    from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker
+
+    source = inspect.getsource(EagleDraftWorker.__init__)
+    assert "speculative_use_rejection_sampling" in source and "self.topk == 1" in source  # what the hook is for
+    got = _probe("gbv_worker_init", env={"SPECADAPT_NO_CUDA": "1", "SPECADAPT_TINY_MODELS": json.dumps(tiny_models)})
+    assert got == {"outside": True, "inside": False, "topk": 3, "draft_tokens": 13}
