@@ -64,6 +64,37 @@ def install(algorithm, verify, adaptive):
     }
 
 
+def install_gbv():
+    """The GBV path of the scheduler-side installation on a stand-in scheduler: the constructor hook before the
+    worker exists, then the heavy hooks; where SGLang's bindings point afterwards."""
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    import sglang.srt.speculative.eagle_utils as eu
+    import sglang.srt.speculative.eagle_worker_v2 as ew
+
+    from specadapt.sglang import gbv
+    from specadapt.sglang import verify as sa_verify
+    from specadapt.sglang.config import PluginConfig
+    from specadapt.sglang.install import install_pre_worker_hooks, install_worker_hooks
+
+    load_plugins()
+    config = PluginConfig(verify="gbv", num_paths=3)
+    install_pre_worker_hooks(config)
+    server_args = SimpleNamespace(speculative_algorithm="EAGLE3", speculative_num_steps=4, cuda_graph_max_bs=5,
+                                  max_running_requests=64)
+    runner = SimpleNamespace(model_config=SimpleNamespace(vocab_size=17))
+    worker = SimpleNamespace(draft_worker=SimpleNamespace(draft_runner=runner), device="cpu")
+    install_worker_hooks(SimpleNamespace(server_args=server_args, draft_worker=worker), config)
+    drafting = gbv.get_drafting()
+    return {
+        "patched": sorted(HookRegistry._patched),
+        "sampler_rebound_in_worker": getattr(ew.sample_draft_proposal, "__wrapped__", None) is not None,
+        "chain_sampler_rebound": getattr(eu.chain_speculative_sampling_triton, "__wrapped__", None) is not None,
+        "runtime_rule": sa_verify.get_runtime().rule,
+        "q_rows_shape": list(drafting.q_rows.shape),
+    }
+
+
 def triton_compare(num_seeds):
     """SGLang's own Triton chain / block kernel (TRITON_INTERPRET=1 on CPU) against the replacement."""
     import torch

@@ -44,3 +44,15 @@ def test_worker_constructor_hook_hides_rejection_sampling_only_inside(tiny_model
     assert "speculative_use_rejection_sampling" in source and "self.topk == 1" in source  # what the hook is for
     got = _probe("gbv_worker_init", env={"SPECADAPT_NO_CUDA": "1", "SPECADAPT_TINY_MODELS": json.dumps(tiny_models)})
     assert got == {"outside": True, "inside": False, "topk": 3, "draft_tokens": 13}
+
+
+def test_install_applies_the_gbv_hooks():
+    got = _probe("install_gbv", env={"SPECADAPT_NO_CUDA": "1"})
+    prefix = "sglang.srt.speculative."
+    for target in ("eagle_worker_v2.EagleDraftWorker.__init__", "spec_utils.sample_draft_proposal",
+                   "eagle_worker_v2.EagleDraftWorker._draft_extend_for_prefill",
+                   "eagle_worker_v2.EagleDraftWorker._draft_extend_for_decode"):
+        assert prefix + target in got["patched"]
+    assert got["sampler_rebound_in_worker"], "draft_forward must call the hooked sample_draft_proposal"
+    assert got["chain_sampler_rebound"] and got["runtime_rule"] == "gbv"
+    assert got["q_rows_shape"] == [3, 5 * 3, 17]  # (L-1, cuda_graph_max_bs * K, V)
