@@ -10,7 +10,9 @@ import pytest
 import torch
 from scipy import stats
 
-from specadapt.sglang import gbv
+from types import SimpleNamespace
+
+from specadapt.sglang import gbv, hot_vocab
 from specadapt.sglang.config import PluginConfig, PluginConfigError, validate_for_server
 from specadapt.sglang.install import plan_targets, pre_worker_targets
 from specadapt.verification.gbv import gbv_verify
@@ -174,11 +176,16 @@ def _gbv_round(batch, k, depth, vocab, q_law, p_law, g):
         gbv.set_drafting(None)
 
 
-def _laws(vocab):
+def _laws(vocab, hot=None):
     """Context-dependent draft and target laws (of the last two tokens), so a q row of the wrong branch or
-    depth is the wrong law."""
+    depth is the wrong law; ``hot``: the draft proposes only these ids (a hot-vocabulary head)."""
     g = torch.Generator().manual_seed(7)
     table_q = torch.softmax(torch.randn(vocab + 1, vocab, vocab, generator=g) * 1.5, -1)
+    if hot is not None:
+        mask = torch.zeros(vocab)
+        mask[hot] = 1.0
+        table_q = table_q * mask
+        table_q = table_q / table_q.sum(-1, keepdim=True)
     table_p = torch.softmax(torch.randn(vocab + 1, vocab, vocab, generator=g) * 1.5, -1)
 
     def law(table):
@@ -218,14 +225,14 @@ def test_gbv_outputs_follow_the_chosen_path_in_sglangs_layout():
     assert torch.equal(ref.output_tokens, r["out"].output_tokens)
 
 
-@pytest.mark.parametrize("k", [2, 3])
-def test_gbv_pipeline_is_lossless_on_two_tokens(k):
+@pytest.mark.parametrize("k, hot", [(2, None), (3, None), (3, [0, 2, 3])])
+def test_gbv_pipeline_is_lossless_on_two_tokens(k, hot):
     """Chi-square of the first two emitted tokens against the target law p(y1) p(y2 | y1) over 30,000 rounds
     (a round that accepts no draft gets y2 from p(. | y1): the next round's first token). A q row of the wrong
     branch or depth breaks exactness and fails this test."""
     torch.manual_seed(3)
     vocab, depth, batch = 4, 2, 30_000
-    q_law, p_law = _laws(vocab)
+    q_law, p_law = _laws(vocab, hot)
     r = _gbv_round(batch, k, depth, vocab, q_law, p_law, torch.Generator().manual_seed(2))
     n = k * depth + 1
     y1 = r["predicts"][torch.arange(batch) * n].long()
@@ -264,3 +271,43 @@ def test_gbv_settings_and_targets():
     assert any(t.endswith("_draft_extend_for_decode") for t in targets)
     assert [t for t, _, _ in pre_worker_targets(cfg)] == ["sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.__init__"]
     assert pre_worker_targets(PluginConfig(verify="block")) == []
+
+
+def test_hot_vocabulary_rows_scatter_into_the_target_vocabulary():
+    hot = hot_vocab.HotVocab(torch.tensor([4, 0, 7]), 9)
+    q = torch.tensor([[0.5, 0.3, 0.2]])
+    full = hot.to_target(q)
+    assert full.shape == (1, 9) and full[0, [4, 0, 7]].tolist() == pytest.approx([0.5, 0.3, 0.2])
+    assert float(full.sum()) == pytest.approx(1.0) and torch.equal(hot.to_draft(full), q)
+    assert hot.to_target(full) is full  # other widths pass through
+    with pytest.raises(ValueError, match="outside"):
+        hot_vocab.HotVocab(torch.tensor([1, 9]), 9)
+    with pytest.raises(ValueError, match="repeats"):
+        hot_vocab.HotVocab(torch.tensor([1, 1]), 9)
+
+
+def test_sampler_and_extend_hooks_hand_sglang_target_vocabulary_q_rows():
+    """A hot-vocabulary head: SGLang sees q over the target vocabulary, sampled ids stay draft ids (SGLang maps
+    them), and GBV's depth-1 samples are drawn in draft ids from the same law."""
+    hot_vocab.set_hot_vocab(hot_vocab.HotVocab(torch.tensor([5, 1, 8, 2]), 10))
+    try:
+        logits = torch.randn(3, 4)
+        probs, _, index = gbv.sample_draft_proposal_around(_original([]), logits, torch.ones(3, 1), draft_step=0)
+        assert probs.shape == (3, 10) and (index < 4).all()
+        assert torch.allclose(probs[:, [5, 1, 8, 2]], torch.softmax(logits, -1)) and probs[:, [0, 3, 4, 6, 7, 9]].eq(0).all()
+        drafting = gbv.GBVDrafting.allocate(2, 3, 10, 3, "cpu")
+        drafting.sampler = _sampler
+        gbv.set_drafting(drafting)
+        probs0, _, index = gbv.sample_draft_proposal_around(_original([]), torch.randn(6, 4), torch.ones(3, 1),
+                                                            draft_step=1)
+        assert probs0.shape == (3, 10) and drafting.rows_for(3)[0].shape == (6, 10) and (index < 4).all()
+        q1 = torch.softmax(torch.randn(3, 4), -1)
+        extend = SimpleNamespace(draft_probs=q1, topk_p=None, topk_index=None)
+        out = gbv.draft_extend_for_prefill_around(
+            lambda worker, batch: extend, None,
+            SimpleNamespace(sampling_info=SimpleNamespace(top_ks=None, sampling_seed=None), seq_lens=torch.ones(3)))
+        assert out.draft_probs.shape == (3, 10) and torch.allclose(out.draft_probs[:, [5, 1, 8, 2]], q1)
+        assert out.topk_index.shape == (3, 2) and (out.topk_index < 4).all() and out.topk_p.shape == (3, 2)
+    finally:
+        gbv.set_drafting(None)
+        hot_vocab.set_hot_vocab(None)

@@ -222,26 +222,32 @@ def students():
     return out
 
 
-def gbv_draft(num_paths, num_steps):
+def gbv_draft(num_paths, num_steps, hot="0"):
     """SGLang's own ``EagleDraftWorker.draft_forward`` (eager, on a stand-in worker whose draft model's logits
     depend on the input token), ``select_top_k_tokens``, ``organize_draft_results`` and the Triton tree builder
-    (interpreted) under the plugin's K-path hooks; then the plugin's GBV over the resulting tree."""
+    (interpreted) under the plugin's K-path hooks; then the plugin's GBV over the resulting tree. ``hot="1"``:
+    the draft head predicts 6 hot ids of the 11-token vocabulary (SGLang maps sampled ids through
+    ``hot_token_id``; the plugin scatters q rows)."""
     import torch
     from sglang.kernels.ops.speculative import spec_tree
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     import sglang.srt.speculative.eagle_utils as eu
     import sglang.srt.speculative.eagle_worker_v2 as ew
 
-    from specadapt.sglang import gbv
+    from specadapt.sglang import gbv, hot_vocab
     from specadapt.sglang.install import DRAFT_SAMPLER
 
     k, depth, batch, vocab, hidden = int(num_paths), int(num_steps), 3, 11, 8
+    hot_ids = torch.tensor([9, 2, 4, 0, 7, 5]) if hot == "1" else None
+    if hot_ids is not None:
+        hot_vocab.set_hot_vocab(hot_vocab.HotVocab(hot_ids, vocab))
     HookRegistry.register(DRAFT_SAMPLER, gbv.sample_draft_proposal_around, HookType.AROUND)
     HookRegistry.apply_hooks()
     drafting = gbv.GBVDrafting.allocate(k, depth, vocab, batch, "cpu")
     gbv.set_drafting(drafting)
     g = torch.Generator().manual_seed(0)
-    table = torch.randn(vocab, vocab, generator=g) * 2  # the stand-in draft: logits = table[input token]
+    width = vocab if hot_ids is None else hot_ids.numel()
+    table = torch.randn(vocab, width, generator=g) * 2  # the stand-in draft: logits = table[input token]
     temperature = 0.8
 
     class Runner:
@@ -254,14 +260,14 @@ def gbv_draft(num_paths, num_steps):
             return SimpleNamespace(logits_output=SimpleNamespace(
                 next_token_logits=logits, hidden_states=forward_batch.spec_info.hidden_states + 1))
 
-    worker = SimpleNamespace(hot_token_id=None, topk=k, speculative_num_steps=depth,
+    worker = SimpleNamespace(hot_token_id=hot_ids, topk=k, speculative_num_steps=depth,
                              speculative_num_draft_tokens=k * depth + 1, index_share_for_mtp_iteration=False,
                              seed_dsa_topk_from_draft_extend=False, draft_runner=Runner(),
                              draft_attn_backend=SimpleNamespace(attn_backends=[None] * depth),
                              _topk1_parents_prealloc=torch.zeros(0))
     ew.get_spec = lambda: SimpleNamespace(speculative_use_rejection_sampling=True)  # what the server resolves
-    q1 = torch.softmax(torch.randn(batch, vocab, generator=g), -1)
-    topk_p, topk_index = gbv.first_draft_samples(q1, k)
+    q1 = hot_vocab.to_target(torch.softmax(torch.randn(batch, width, generator=g), -1))  # the extend's output
+    topk_p, topk_index = gbv.first_draft_samples(hot_vocab.to_draft(q1), k)  # draft ids
     forward_batch = SimpleNamespace(
         forward_mode=SimpleNamespace(is_idle=lambda: False),
         spec_info=SimpleNamespace(topk_p=topk_p, topk_index=topk_index, hidden_states=torch.zeros(batch, hidden),
@@ -281,11 +287,15 @@ def gbv_draft(num_paths, num_steps):
     chains = candidates.gather(1, nodes.reshape(batch, -1)).reshape(batch, k, depth)
     # each path starts with its own depth-1 sample and each deeper q row is the draft's law after that path's
     # previous token (the stand-in draft reads only the input token)
-    first_ok = bool(torch.equal(chains[:, :, 0], topk_index))
+    first_ok = bool(torch.equal(chains[:, :, 0], topk_index if hot_ids is None else hot_ids[topk_index]))
     rows = drafting.rows_for(batch).reshape(depth - 1, batch, k, vocab)
+    law = lambda token: hot_vocab.to_target(torch.softmax(table[token] / temperature, -1))  # noqa: E731
     q_ok = all(
-        torch.allclose(rows[d - 2, b, int(nodes[b, j, 0]) - 1], torch.softmax(table[chains[b, j, d - 2]] / temperature, -1))
+        torch.allclose(rows[d - 2, b, int(nodes[b, j, 0]) - 1], law(chains[b, j, d - 2]))
         for b in range(batch) for j in range(k) for d in range(2, depth + 1))
+    in_vocab = bool(hot_ids is None or torch.isin(chains, hot_ids).all())
+    q_of_drafts = bool(all(float(rows[d - 2, b, int(nodes[b, j, 0]) - 1, chains[b, j, d - 1]]) > 0
+                           for b in range(batch) for j in range(k) for d in range(2, depth + 1)))
     depths_ok = bool(torch.equal(positions.reshape(batch, n).gather(1, nodes.reshape(batch, -1)).reshape(batch, k, depth)
                                  - torch.tensor([5, 7, 9])[:, None, None], torch.arange(1, depth + 1).expand(batch, k, depth)))
     target = torch.softmax(torch.randn(batch, n, vocab, generator=g), -1)
@@ -303,6 +313,7 @@ def gbv_draft(num_paths, num_steps):
         path_ok &= [int(predicts[int(ridx[b, x])]) for x in path[:t]] == chains[b, c, :t].tolist()
     return {"nodes_per_request": n, "draft_probs_shape": list(draft_probs.shape), "first_samples_kept": first_ok,
             "q_rows_match_each_path": q_ok, "depths_ok": depths_ok, "gbv_path_written": bool(path_ok),
+            "drafts_in_hot_vocab": in_vocab, "q_positive_at_drafts": q_of_drafts,
             "top_scores_index": top_scores_index[0].tolist()}
 
 
@@ -330,8 +341,21 @@ def gbv_worker_init():
         seen["topk"] = get_spec().speculative_eagle_topk
 
     gbv.draft_worker_init_around(constructor, object())
+
+    def alloc_memory_pool(worker):  # stands for EagleDraftWorker.alloc_memory_pool: init_lm_head, vocab check
+        worker.hot_token_id = torch.tensor([3, 1, 4])
+        seen["pool_rs"] = get_spec().speculative_use_rejection_sampling
+
+    import torch
+
+    from specadapt.sglang import hot_vocab
+
+    worker = SimpleNamespace(target_worker=SimpleNamespace(model_config=SimpleNamespace(vocab_size=256)))
+    hot_vocab.alloc_memory_pool_around(alloc_memory_pool, worker)
+    hot = hot_vocab.get_hot_vocab()
     return {"outside": get_spec().speculative_use_rejection_sampling, **seen,
-            "draft_tokens": get_spec().speculative_num_draft_tokens}
+            "draft_tokens": get_spec().speculative_num_draft_tokens,
+            "hot_ids": hot.ids.tolist(), "target_vocab": hot.target_vocab}
 
 
 if __name__ == "__main__":

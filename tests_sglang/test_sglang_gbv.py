@@ -12,9 +12,9 @@ import pytest
 from test_sglang_plugin import SERVER_ARGS_ATTR, _args, _probe
 
 
-@pytest.mark.parametrize("num_paths, num_steps", [(3, 4), (2, 2)])
-def test_sglangs_draft_forward_drafts_k_sampled_chains(num_paths, num_steps):
-    got = _probe("gbv_draft", str(num_paths), str(num_steps),
+@pytest.mark.parametrize("num_paths, num_steps, hot", [(3, 4, "0"), (2, 2, "0"), (3, 3, "1")])
+def test_sglangs_draft_forward_drafts_k_sampled_chains(num_paths, num_steps, hot):
+    got = _probe("gbv_draft", str(num_paths), str(num_steps), hot,
                  env={"SPECADAPT_NO_CUDA": "1", "TORCHDYNAMO_DISABLE": "1", "TRITON_INTERPRET": "1"})
     assert got["nodes_per_request"] == num_paths * num_steps + 1
     assert got["draft_probs_shape"] == [3, num_steps, 11]  # SGLang's [B, L, V] layout is kept
@@ -22,6 +22,7 @@ def test_sglangs_draft_forward_drafts_k_sampled_chains(num_paths, num_steps):
     assert got["q_rows_match_each_path"], "every deeper q row must be the law its path's token was drawn from"
     assert got["depths_ok"], "the tree builder must place path nodes at depths 1..L"
     assert got["gbv_path_written"], "accept_index / predicts must follow the chosen path"
+    assert got["drafts_in_hot_vocab"] and got["q_positive_at_drafts"]
 
 
 def test_gbv_resolution_sets_the_tree_shape(plugins_loaded, tiny_models):
@@ -37,13 +38,22 @@ def test_gbv_resolution_sets_the_tree_shape(plugins_loaded, tiny_models):
     assert getattr(sa, SERVER_ARGS_ATTR)["verify"] == "gbv"
 
 
-def test_worker_constructor_hook_hides_rejection_sampling_only_inside(tiny_models):
+def test_worker_hooks_hide_rejection_sampling_only_inside(tiny_models):
     from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker
 
     source = inspect.getsource(EagleDraftWorker.__init__)
     assert "speculative_use_rejection_sampling" in source and "self.topk == 1" in source  # what the hook is for
     got = _probe("gbv_worker_init", env={"SPECADAPT_NO_CUDA": "1", "SPECADAPT_TINY_MODELS": json.dumps(tiny_models)})
-    assert got == {"outside": True, "inside": False, "topk": 3, "draft_tokens": 13}
+    assert got == {"outside": True, "inside": False, "topk": 3, "draft_tokens": 13, "pool_rs": False,
+                   "hot_ids": [3, 1, 4], "target_vocab": 256}
+
+
+def test_alloc_memory_pool_still_holds_the_vocabulary_check_the_plugin_bypasses():
+    from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker
+
+    source = inspect.getsource(EagleDraftWorker.alloc_memory_pool)
+    assert "speculative_use_rejection_sampling" in source and "share one vocab" in source
+    assert "init_lm_head" in source  # where hot_token_id is set, before the plugin reads it
 
 
 def test_install_applies_the_gbv_hooks():

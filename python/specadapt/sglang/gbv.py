@@ -22,8 +22,9 @@ The plugin gets them out of SGLang's own tree machinery, unchanged, by choosing 
   buffer), runs :func:`specadapt.kernels.gbv_verify` and writes the chosen path's accepted nodes into SGLang's
   ``accept_index`` / ``predicts`` (SGLang then compacts the accepted path, as for any top-k tree).
 
-Greedy batches keep SGLang's top-k tree and greedy verification (the draft graph's greedy variant). Nothing here
-imports sglang at module import.
+Greedy batches keep SGLang's top-k tree and greedy verification (the draft graph's greedy variant). The draft
+sampler and extend hooks also scatter a hot-vocabulary EAGLE-3 head's q rows into the target vocabulary
+(:mod:`.hot_vocab`), for every rule. Nothing here imports sglang at module import.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
+from . import hot_vocab
 
 logger = logging.getLogger("specadapt.sglang")
 
@@ -85,12 +87,14 @@ class GBVDrafting:
         q_rows: ``[L-1, capacity, V] float32``: ``q_rows[i, b*K + k]`` is the row branch ``k`` of request ``b``
             sampled its depth-``i+2`` token from (allocated before CUDA-graph capture: graphs write into it).
         overflow: same for eager batches larger than ``capacity`` rows (never captured).
+        sampler: ``fast_sample``-compatible callable for the depth-1 samples (``None``: SGLang's ``fast_sample``).
     """
 
     num_paths: int
     num_steps: int
     q_rows: torch.Tensor | None = None
     overflow: torch.Tensor | None = None
+    sampler: object = None
 
     @classmethod
     def allocate(cls, num_paths: int, num_steps: int, vocab: int, max_requests: int, device) -> "GBVDrafting":
@@ -186,29 +190,35 @@ def draft_worker_init_around(original, worker, *args, **kwargs):
         return original(worker, *args, **kwargs)
 
 
-def _resample_first(draft_input, sampling_info, positions) -> None:
-    drafting = _DRAFTING
+def _finish_first(draft_input, sampling_info, positions) -> None:
+    """Depth-1 proposal of the next round: K samples (GBV) drawn in the draft's vocabulary, and ``draft_probs``
+    over the target vocabulary (a hot-vocabulary EAGLE-3 head: :mod:`.hot_vocab`)."""
     probs = getattr(draft_input, "draft_probs", None)
-    if drafting is None or draft_input is None or probs is None or probs.dim() != 2 or probs.shape[0] == 0:
+    if draft_input is None or probs is None or probs.dim() != 2 or probs.shape[0] == 0:
         return
-    top_ks = getattr(sampling_info, "top_ks", None)
-    seeds = getattr(sampling_info, "sampling_seed", None)
-    topk_p, topk_index = first_draft_samples(probs.float(), drafting.num_paths, top_ks, seeds, positions)
-    draft_input.topk_p, draft_input.topk_index = topk_p, topk_index
+    drafting = _DRAFTING
+    if drafting is not None:
+        top_ks = getattr(sampling_info, "top_ks", None)
+        seeds = getattr(sampling_info, "sampling_seed", None)
+        topk_p, topk_index = first_draft_samples(hot_vocab.to_draft(probs).float(), drafting.num_paths, top_ks,
+                                                 seeds, positions, sampler=drafting.sampler)
+        draft_input.topk_p, draft_input.topk_index = topk_p, topk_index  # draft ids: SGLang maps them itself
+    draft_input.draft_probs = hot_vocab.to_target(probs)
 
 
 def draft_extend_for_prefill_around(original, worker, batch, *args, **kwargs):
-    """AROUND ``EagleDraftWorker._draft_extend_for_prefill``: K depth-1 samples from the returned ``q_1``."""
+    """AROUND ``EagleDraftWorker._draft_extend_for_prefill``: K depth-1 samples from the returned ``q_1`` (GBV),
+    ``q_1`` over the target vocabulary."""
     result = original(worker, batch, *args, **kwargs)
-    _resample_first(result, getattr(batch, "sampling_info", None), getattr(batch, "seq_lens", None))
+    _finish_first(result, getattr(batch, "sampling_info", None), getattr(batch, "seq_lens", None))
     return result
 
 
 def draft_extend_for_decode_around(original, worker, batch, batch_result, *args, **kwargs):
-    """AROUND ``EagleDraftWorker._draft_extend_for_decode``: K depth-1 samples for the next round."""
+    """AROUND ``EagleDraftWorker._draft_extend_for_decode``: K depth-1 samples for the next round (GBV)."""
     result = original(worker, batch, batch_result, *args, **kwargs)
-    _resample_first(getattr(batch_result, "next_draft_input", None), getattr(batch, "sampling_info", None),
-                    getattr(batch_result, "new_seq_lens", None))
+    _finish_first(getattr(batch_result, "next_draft_input", None), getattr(batch, "sampling_info", None),
+                  getattr(batch_result, "new_seq_lens", None))
     return result
 
 
@@ -216,17 +226,19 @@ def sample_draft_proposal_around(original, next_token_logits, temperatures, top_
                                  positions=None, draft_step: int = 0):
     """AROUND ``spec_utils.sample_draft_proposal`` (SGLang's draft sampler, run inside the draft graph).
 
-    For a draft step (``draft_step >= 1``) over ``B*K`` branch rows: one sample per row with per-branch
-    settings, the rows' ``q`` kept in the :class:`GBVDrafting` buffer, ``topk_p [B*K, K]`` one-hot on the sample
-    (column 0), ``topk_index [B*K, K]`` the sample repeated, and branch 0's ``q`` ``[B, V]`` as the step's
-    ``draft_probs`` entry (SGLang stacks one ``[B, V]`` per depth). Other calls go to SGLang unchanged.
+    Returned q rows are over the target vocabulary (scattered from a hot-vocabulary head; sampled ids stay
+    draft ids). With GBV, for a draft step (``draft_step >= 1``) over ``B*K`` branch rows: one sample per row with
+    per-branch settings, the rows' ``q`` kept in the :class:`GBVDrafting` buffer, ``topk_p [B*K, K]`` one-hot on
+    the sample (column 0), ``topk_index [B*K, K]`` the sample repeated, and branch 0's ``q`` ``[B, V]`` as the
+    step's ``draft_probs`` entry (SGLang stacks one ``[B, V]`` per depth).
     """
     drafting = _DRAFTING
     batch = temperatures.shape[0] if temperatures is not None else 0
     rows = next_token_logits.shape[0]
     if drafting is None or draft_step < 1 or batch == 0 or rows != batch * drafting.num_paths:
-        return original(next_token_logits, temperatures, top_ks, sampling_seed=sampling_seed, positions=positions,
-                        draft_step=draft_step)
+        probs, p, index = original(next_token_logits, temperatures, top_ks, sampling_seed=sampling_seed,
+                                   positions=positions, draft_step=draft_step)
+        return hot_vocab.to_target(probs), p, index
     k = drafting.num_paths
     temps = temperatures.repeat_interleave(k, dim=0)
     ks = None if top_ks is None else top_ks.reshape(-1).repeat_interleave(k)
@@ -236,6 +248,7 @@ def sample_draft_proposal_around(original, next_token_logits, temperatures, top_
         pos = pos.reshape(-1).repeat_interleave(k)
     probs, _, index = original(next_token_logits, temps, ks, sampling_seed=seeds, positions=pos,
                                draft_step=draft_step)
+    probs = hot_vocab.to_target(probs)
     drafting.record(draft_step, probs)
     topk_p = torch.zeros(rows, k, dtype=torch.float32, device=probs.device)
     topk_p[:, 0] = 1.0

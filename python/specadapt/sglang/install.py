@@ -8,7 +8,8 @@ before CUDA graphs are captured (from the AFTER hook on ``Scheduler.maybe_init_d
 | ``--adaptive-verification``, ``--tts`` | EAGLE family | AROUND ``eagle_utils.eagle_sample`` (caps, snapshots, outcomes) |
 | ``--tts`` | EAGLE family | AROUND ``EAGLEWorkerV2.forward_batch_generation`` (round boundary, publish) |
 | ``--tts`` | EAGLE family | AFTER ``BaseSpecWorker.note_request_finished`` (drop history) |
-| ``--specadapt-verify gbv`` | EAGLE family | AROUND ``spec_utils.sample_draft_proposal`` and the draft extends (K sampled chains, :mod:`.gbv`); before the worker exists, AROUND ``EagleDraftWorker.__init__`` |
+| ``--specadapt-verify`` not builtin, ``--adaptive-verification`` | EAGLE family | AROUND ``EagleDraftWorker.alloc_memory_pool``, ``spec_utils.sample_draft_proposal``, ``EagleDraftWorker._draft_extend_for_prefill``: q rows over the target vocabulary (:mod:`.hot_vocab`) |
+| ``--specadapt-verify gbv`` | EAGLE family | the same and AROUND ``EagleDraftWorker._draft_extend_for_decode`` (K sampled chains, :mod:`.gbv`); before the worker exists, AROUND ``EagleDraftWorker.__init__`` |
 
 After ``HookRegistry.apply_hooks()`` every target is checked (:func:`specadapt.sglang.plugin.check_applied`).
 """
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import gbv
+from . import gbv, hot_vocab
 from .config import PluginConfig
 from .verify import VerifyRuntime, chain_speculative_sampling, dflash_accept_block, set_runtime
 
@@ -38,9 +39,10 @@ DRAFT_WORKER_INIT = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.__i
 DRAFT_SAMPLER = "sglang.srt.speculative.spec_utils.sample_draft_proposal"
 EXTEND_PREFILL = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_prefill"
 EXTEND_DECODE = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_decode"
+ALLOC_POOL = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.alloc_memory_pool"
 #: Every target the plugin may hook in a scheduler process (tests check each exists in the installed sglang).
 HOOK_TARGETS = (CHAIN_SAMPLER, DFLASH_ACCEPT, EAGLE_SAMPLE, EAGLE_FORWARD, REQUEST_FINISHED, DRAFT_WORKER_INIT,
-                DRAFT_SAMPLER, EXTEND_PREFILL, EXTEND_DECODE)
+                DRAFT_SAMPLER, EXTEND_PREFILL, EXTEND_DECODE, ALLOC_POOL)
 EAGLE_FAMILY = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
 
 
@@ -78,9 +80,12 @@ def plan_targets(config: PluginConfig, algorithm: str) -> list[tuple[str, str, o
     if eagle and config.tts:
         targets.append((EAGLE_FORWARD, "AROUND", forward_batch_generation_around))
         targets.append((REQUEST_FINISHED, "AFTER", request_finished_after))
-    if eagle and config.verify == "gbv":
+    if eagle and config.replaces_verification:
+        # q rows over the target vocabulary (hot-vocabulary EAGLE-3 heads) and, for GBV, K sampled paths
+        targets.append((ALLOC_POOL, "AROUND", hot_vocab.alloc_memory_pool_around))
         targets.append((DRAFT_SAMPLER, "AROUND", gbv.sample_draft_proposal_around))
         targets.append((EXTEND_PREFILL, "AROUND", gbv.draft_extend_for_prefill_around))
+    if eagle and config.verify == "gbv":
         targets.append((EXTEND_DECODE, "AROUND", gbv.draft_extend_for_decode_around))
     return targets
 
@@ -248,4 +253,5 @@ def reset_state() -> None:
     _STATE = None
     set_runtime(None)
     gbv.set_drafting(None)
+    hot_vocab.set_hot_vocab(None)
 
