@@ -91,7 +91,8 @@ def test_env_config_inline_file_and_errors(tmp_path):
     (PluginConfig(verify="block"), _server(device="cpu"), "CUDA only"),
     (PluginConfig(adaptive_verification=True), _server(speculative_algorithm="DFLASH"), "q rows"),
     (PluginConfig(verify="gbv", num_paths=3), _server(speculative_eagle_topk=2), "--speculative-eagle-topk 3"),
-    (PluginConfig(verify="gbv", num_paths=3, tts=True), _server(speculative_eagle_topk=3), "--tts snapshots a single"),
+    (PluginConfig(verify="gbv", num_paths=3), _server(speculative_num_steps=4, speculative_num_draft_tokens=5),
+     "--speculative-num-draft-tokens 13"),
     (PluginConfig(verify="gbv", num_paths=3), _server(speculative_algorithm="DFLASH"), "cannot replace"),
 ])
 def test_invalid_combinations(config, server, match):

@@ -134,7 +134,7 @@ def _with_root(tokens):
     return torch.cat([torch.zeros(tokens.shape[0], 1, dtype=torch.int64), tokens], dim=1)
 
 
-def _gbv_round(batch, k, depth, vocab, q_law, p_law, g):
+def _gbv_round(batch, k, depth, vocab, q_law, p_law, g, caps=None):
     """One verify round through the plugin's hooks: K chains sampled by first_draft_samples and
     sample_draft_proposal_around, verified by gbv_speculative_sampling. Returns SGLang's outputs and the chains."""
     drafting = gbv.GBVDrafting.allocate(k, depth, vocab, batch, "cpu")
@@ -168,10 +168,10 @@ def _gbv_round(batch, k, depth, vocab, q_law, p_law, g):
         accept_num = torch.zeros(batch, dtype=torch.int32)
         coins = torch.rand(batch, n, generator=g)
         final = torch.rand(batch, generator=g)
-        out = gbv.gbv_speculative_sampling(drafting, predicts, accept_index, accept_num, candidates, index, nxt,
-                                           sib, coins, final, target, draft_probs, impl="reference")
-        return dict(predicts=predicts, accept_index=accept_index, accept_num=accept_num, out=out, chains=chains,
-                    candidates=candidates, target=target, coins=coins, final=final)
+        rnd = gbv.gbv_speculative_sampling(drafting, predicts, accept_index, accept_num, candidates, index, nxt,
+                                           sib, coins, final, target, draft_probs, impl="reference", caps=caps)
+        return dict(predicts=predicts, accept_index=accept_index, accept_num=accept_num, out=rnd.out, chains=chains,
+                    candidates=candidates, target=target, coins=coins, final=final, round=rnd)
     finally:
         gbv.set_drafting(None)
 
@@ -225,15 +225,19 @@ def test_gbv_outputs_follow_the_chosen_path_in_sglangs_layout():
     assert torch.equal(ref.output_tokens, r["out"].output_tokens)
 
 
-@pytest.mark.parametrize("k, hot", [(2, None), (3, None), (3, [0, 2, 3])])
-def test_gbv_pipeline_is_lossless_on_two_tokens(k, hot):
+@pytest.mark.parametrize("k, hot, capped", [(2, None, False), (3, None, False), (3, [0, 2, 3], False),
+                                            (3, None, True)])
+def test_gbv_pipeline_is_lossless_on_two_tokens(k, hot, capped):
     """Chi-square of the first two emitted tokens against the target law p(y1) p(y2 | y1) over 30,000 rounds
     (a round that accepts no draft gets y2 from p(. | y1): the next round's first token). A q row of the wrong
     branch or depth breaks exactness and fails this test."""
     torch.manual_seed(3)
     vocab, depth, batch = 4, 2, 30_000
     q_law, p_law = _laws(vocab, hot)
-    r = _gbv_round(batch, k, depth, vocab, q_law, p_law, torch.Generator().manual_seed(2))
+    caps = torch.randint(0, depth + 1, (batch,), generator=torch.Generator().manual_seed(5)) if capped else None
+    r = _gbv_round(batch, k, depth, vocab, q_law, p_law, torch.Generator().manual_seed(2), caps)
+    if capped:  # adaptive verification: at most caps[b] drafts of each path verified
+        assert (r["accept_num"].long() <= caps).all() and (r["accept_num"][caps == 0] == 0).all()
     n = k * depth + 1
     y1 = r["predicts"][torch.arange(batch) * n].long()
     second = r["predicts"][r["accept_index"][:, 1].clamp_min(0).long()].long()
@@ -246,7 +250,7 @@ def test_gbv_pipeline_is_lossless_on_two_tokens(k, hot):
     expected = p1[:, None] * p2 * batch
     chi2 = float(((observed - expected) ** 2 / expected).sum())
     assert stats.chi2.sf(chi2, vocab * vocab - 1) > 1e-3, (chi2, observed, expected)
-    assert float((r["accept_num"] >= 1).float().mean()) > 0.2  # drafts do get accepted
+    assert float((r["accept_num"] >= 1).float().mean()) > (0.15 if capped else 0.2)  # drafts do get accepted
 
 
 def test_gbv_settings_and_targets():
@@ -260,9 +264,8 @@ def test_gbv_settings_and_targets():
         validate_for_server(cfg, server(speculative_num_steps=4, speculative_num_draft_tokens=5))
     with pytest.raises(PluginConfigError, match="--speculative-eagle-topk 3"):
         validate_for_server(cfg, server(speculative_eagle_topk=1))
-    for other, flag in ((dict(adaptive_verification=True), "--adaptive-verification"), (dict(tts=True), "--tts")):
-        with pytest.raises(PluginConfigError, match=flag):
-            validate_for_server(PluginConfig(verify="gbv", num_paths=3, **other), server())
+    # the issue's headline combination
+    validate_for_server(PluginConfig(verify="gbv", num_paths=3, adaptive_verification=True, tts=True), server())
     with pytest.raises(PluginConfigError, match="cannot replace"):
         validate_for_server(cfg, server(speculative_algorithm="DFLASH"))
     targets = [t for t, _, _ in plan_targets(cfg, "EAGLE3")]
@@ -311,3 +314,65 @@ def test_sampler_and_extend_hooks_hand_sglang_target_vocabulary_q_rows():
     finally:
         gbv.set_drafting(None)
         hot_vocab.set_hot_vocab(None)
+
+
+def test_tts_learns_from_the_chosen_gbv_path():
+    """GBV + TTS: the snapshot covers every tree node; the example the updater gets is the chosen path's tokens,
+    teacher rows and q rows, and the committed history follows the accepted nodes."""
+    from specadapt.sglang.install import PluginState, eagle_sample_around
+    from specadapt.sglang import install as install_module
+    from specadapt.sglang.tts import SGLangTTS
+    from specadapt.sglang.verify import VerifyRuntime, chain_speculative_sampling, set_runtime
+    from test_sglang_students import _hf, _sglang_layout
+    from specadapt.sglang.students import build_student
+
+    torch.manual_seed(0)
+    batch, k, depth, vocab = 4, 2, 3, 50
+    n = k * depth + 1
+    q_law, p_law = _laws(vocab)
+    base = _gbv_round(batch, k, depth, vocab, q_law, p_law, torch.Generator().manual_seed(1))
+    draft = _sglang_layout(_hf("llama"), "llama")
+    tts = SGLangTTS(build_student(draft, draft.config), PluginConfig(tts=True), asynchronous=False)
+    drafting = gbv.GBVDrafting.allocate(k, depth, vocab, batch, "cpu")
+    for step in range(1, depth):  # the q rows the chains were drafted from, as the sampler hook records them
+        drafting.record(step, torch.stack([q_law(_with_root(base["chains"][b // k, b % k, :step][None]))[0]
+                                           for b in range(batch * k)]))
+    runtime = VerifyRuntime(rule="gbv", impl="reference")
+    runtime.gbv = drafting
+    state = PluginState(config=PluginConfig(verify="gbv", num_paths=k, tts=True), runtime=runtime, tts=tts,
+                        algorithm="EAGLE3")
+    install_module._STATE = state
+    set_runtime(runtime)
+    index, nxt, sib = _tree(batch, k, depth)
+    logits = base["target"].clamp_min(1e-9).log()  # raw logits whose softmax is the target law
+    draft_probs = torch.stack([q_law(_with_root(torch.zeros(batch, 0, dtype=torch.int64)))] +
+                              [q_law(_with_root(base["chains"][:, 0, :d])) for d in range(1, depth)], dim=1)
+
+    def original(vi, b, lo):  # eagle_sample: the sampler over the tree, then (predict, accept_lens, accept_index)
+        predicts = torch.zeros(batch * n, dtype=torch.int32)
+        accept_index = torch.full((batch, depth + 1), -1, dtype=torch.int32)
+        accept_num = torch.zeros(batch, dtype=torch.int32)
+        chain_speculative_sampling(predicts, accept_index, accept_num, base["candidates"], index, nxt, sib,
+                                   base["coins"], base["final"], base["target"], vi.draft_probs, 1.0, 1.0, True)
+        return predicts, accept_num + 1, accept_index
+
+    verify_input = SimpleNamespace(draft_token=base["candidates"].reshape(-1), draft_probs=draft_probs)
+    logits_output = SimpleNamespace(next_token_logits=logits.reshape(batch * n, vocab), hidden_states=None)
+    reqs = [SimpleNamespace(rid=f"r{i}") for i in range(batch)]
+    b = SimpleNamespace(forward_mode=SimpleNamespace(is_idle=lambda: False), reqs=reqs,
+                        sampling_info=SimpleNamespace(temperatures=torch.ones(batch, 1)))
+    try:
+        _, accept_lens, accept_index = eagle_sample_around(original, verify_input, b, logits_output)
+        chosen = runtime.last_gbv.out.chosen_path.long()
+        assert len(tts._pending) == batch
+        for i, ex in enumerate(tts._pending):
+            c = int(chosen[i])
+            path = [0] + [1 + d * k + c for d in range(depth)]
+            assert ex.tokens.tolist() == base["candidates"][i, path[:depth]].tolist()
+            assert torch.allclose(ex.teacher, base["target"][i, path[:depth]], atol=1e-5)
+            assert torch.allclose(ex.drafted[1], q_law(_with_root(base["chains"][i, c, :1][None]))[0], atol=1e-6)
+            assert ex.accepted == int(accept_lens[i]) - 1
+            committed = [int(t) for _, t in tts.history[f"r{i}"]]
+            assert committed == base["candidates"][i, path[: ex.accepted + 1]].tolist()
+    finally:
+        install_module.reset_state()

@@ -304,7 +304,7 @@ def gbv_draft(num_paths, num_steps, hot="0"):
     accept_num = torch.zeros(batch, dtype=torch.int32)
     out = gbv.gbv_speculative_sampling(drafting, predicts, accept_index, accept_num, candidates, ridx, nxt, sib,
                                        torch.rand(batch, n, generator=g), torch.rand(batch, generator=g), target,
-                                       draft_probs, impl="reference")
+                                       draft_probs, impl="reference").out
     path_ok = True
     for b in range(batch):
         c, t = int(out.chosen_path[b]), int(out.accept_len[b])

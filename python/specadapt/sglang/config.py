@@ -229,16 +229,6 @@ def validate_for_server(config: PluginConfig, server_args: Any) -> None:
                 f"--specadapt-verify gbv verifies K={config.num_paths} chains of depth --speculative-num-steps="
                 f"{steps}: set --speculative-num-draft-tokens {config.num_paths * int(steps) + 1} (got {tokens})"
             )
-        if config.adaptive_verification:
-            raise PluginConfigError(
-                "--adaptive-verification caps a single chain per request; it cannot be combined with "
-                "--specadapt-verify gbv in SGLang yet (use --specadapt-verify block with it)"
-            )
-        if config.tts:
-            raise PluginConfigError(
-                "--tts snapshots a single verified chain per request; it cannot be combined with "
-                "--specadapt-verify gbv in SGLang yet (use --specadapt-verify block with it)"
-            )
     if config.tts:
         if algo not in _TTS_ALGORITHMS:
             raise PluginConfigError(

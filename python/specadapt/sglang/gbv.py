@@ -41,6 +41,7 @@ logger = logging.getLogger("specadapt.sglang")
 
 __all__ = [
     "GBVDrafting",
+    "GBVRound",
     "branch_scores",
     "chain_nodes",
     "draft_extend_for_decode_around",
@@ -287,9 +288,50 @@ def chain_nodes(retrive_next_token: torch.Tensor, retrive_next_sibling: torch.Te
     return nodes
 
 
+@dataclass
+class GBVRound:
+    """What one GBV call decided: ``out`` (:class:`specadapt.verification.gbv.GBVOutput`), ``path_nodes`` ``[B,
+    L+1]`` local node ids (root first) of each request's chosen path, ``draft_probs`` ``[B, L, V]`` the q rows
+    its drafts were sampled from."""
+
+    out: object
+    path_nodes: torch.Tensor
+    draft_probs: torch.Tensor
+
+
+def _sample_rows(probs: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample of each row of ``probs [B, V]`` with ``coins [B]`` in [0, 1)."""
+    cdf = probs.double().cumsum(-1)
+    cdf = cdf / cdf[:, -1:].clamp_min(1e-300)
+    return torch.searchsorted(cdf, coins.double()[:, None].to(cdf.device)).clamp_max(probs.shape[-1] - 1).squeeze(1)
+
+
+def _gbv_capped(tokens, target, q, coins, final, caps, impl):
+    """GBV with each request verifying at most ``caps[b]`` drafts of every path (a shorter GBV per cap value)."""
+    batch, k, slots = tokens.shape
+    depth = slots - 1
+    accept_len = torch.zeros(batch, dtype=torch.int32, device=tokens.device)
+    output = torch.zeros(batch, slots, dtype=torch.int32, device=tokens.device)
+    chosen = torch.zeros(batch, dtype=torch.int32, device=tokens.device)
+    for cap in sorted(set(caps.clamp(0, depth).tolist())):
+        rows = (caps.clamp(0, depth) == cap).nonzero().squeeze(1)
+        if cap == 0:  # nothing verified: the next token straight from the target
+            output[rows, 0] = _sample_rows(target[rows, 0, 0], final[rows]).to(torch.int32)
+            continue
+        part = kernels.gbv_verify(tokens[rows, :, : cap + 1], target[rows, :, : cap + 1], q[rows, :, :cap].contiguous(),
+                                  coins[rows, :cap], final[rows], impl=impl)
+        accept_len[rows] = part.accept_len.to(torch.int32)
+        output[rows, : cap + 1] = part.output_tokens.to(torch.int32)
+        chosen[rows] = part.chosen_path.to(torch.int32)
+    from ..verification.gbv import GBVOutput
+
+    return GBVOutput(accept_len, output, chosen)
+
+
 def gbv_speculative_sampling(drafting: GBVDrafting, predicts, accept_index, accept_token_num, candidates,
                              retrive_index, retrive_next_token, retrive_next_sibling, uniform_samples,
-                             uniform_samples_for_final_sampling, target_probs, draft_probs, impl: str = "auto"):
+                             uniform_samples_for_final_sampling, target_probs, draft_probs, impl: str = "auto",
+                             caps: torch.Tensor | None = None) -> GBVRound:
     """GBV over the K chains of SGLang's verify tree, written into SGLang's in-place outputs.
 
     Layout (SGLang 0.5.23 ``eagle_sample`` under rejection sampling, top-k K): ``candidates [B, N] int64`` (node 0
@@ -298,6 +340,11 @@ def gbv_speculative_sampling(drafting: GBVDrafting, predicts, accept_index, acce
     [B]``, ``target_probs [B, N, V]`` (row of node n = target law after n), ``draft_probs [B, L, V]`` (row 0 =
     ``q_1``, shared by the K paths), with ``N = K*L + 1``. Outputs: ``predicts [B*N]``, ``accept_index [B, L+1]``
     (root then the accepted nodes of the chosen path), ``accept_token_num [B]`` (accepted drafts).
+    ``caps [B]`` (adaptive verification) verifies at most ``caps[b]`` drafts of each path (a prefix of every
+    path is again K sampled paths: exact).
+
+    Returns:
+        The :class:`GBVRound` (chosen paths and their q rows, for TTS).
 
     Raises:
         ValueError: a tree that is not K chains of depth L, or shapes off this layout.
@@ -323,13 +370,18 @@ def gbv_speculative_sampling(drafting: GBVDrafting, predicts, accept_index, acce
         deeper = deeper.gather(2, index).permute(1, 2, 0, 3)  # [B, K(path), L-1, V]
         q = torch.cat([q_first, deeper.to(q_first.dtype)], dim=2)
     else:
-        q = q_first
-    out = kernels.gbv_verify(tokens, target.float(), q.contiguous(), uniform_samples[:, :depth].float(),
-                             uniform_samples_for_final_sampling.reshape(-1).float(), impl=impl)
+        q = q_first.contiguous()
+    coins = uniform_samples[:, :depth].float()
+    final = uniform_samples_for_final_sampling.reshape(-1).float()
+    if caps is None or bool((caps.to(torch.int64) >= depth).all()):
+        out = kernels.gbv_verify(tokens, target.float(), q.contiguous(), coins, final, impl=impl)
+    else:
+        out = _gbv_capped(tokens, target.float(), q, coins, final, caps.to(torch.int64).to(tokens.device), impl)
     chosen = out.chosen_path.to(torch.int64)
     chosen_nodes = path_nodes.gather(1, chosen[:, None, None].expand(-1, 1, depth + 1)).squeeze(1)
     global_ids = retrive_index.to(torch.int64).gather(1, chosen_nodes)
     from .verify import scatter_sglang_outputs
 
     scatter_sglang_outputs(out.accept_len, out.output_tokens, global_ids, predicts, accept_index, accept_token_num)
-    return out
+    chosen_q = q.gather(1, chosen[:, None, None, None].expand(-1, 1, depth, vocab)).squeeze(1)
+    return GBVRound(out, chosen_nodes, chosen_q)

@@ -204,16 +204,24 @@ def eagle_sample_around(original, verify_input, batch, logits_output, *args, **k
         plan = (caps, features, predictions)
     snap = None
     uses_features = state.tts is not None and getattr(state.tts.student, "uses_features", True)
+    tree = state.runtime.rule == "gbv"  # a verify tree: snapshot every node, keep the chosen path afterwards
     if state.tts is not None and (logits_output.hidden_states is not None or not uses_features):
         snap = state.tts.snapshot(
             [req.rid for req in batch.reqs], verify_input.draft_token, logits_output.hidden_states,
-            logits_output.next_token_logits, batch.sampling_info.temperatures, draft_probs,
+            logits_output.next_token_logits, batch.sampling_info.temperatures, None if tree else draft_probs,
         )
+    state.runtime.last_gbv = None
     try:
         result = original(verify_input, batch, logits_output, *args, **kwargs)
     finally:
         leftover = state.runtime.pending_caps  # not consumed: greedy verification ran instead of the sampler
         state.runtime.pending_caps = None
+    if snap is not None and tree:
+        chosen = state.runtime.last_gbv
+        if chosen is None:  # greedy tree verification ran: no chosen path to learn from this round
+            snap = None
+        else:
+            snap = state.tts.select_path(snap, chosen.path_nodes, chosen.draft_probs)
     accepted = result[1].to(torch.int64) - 1  # accept_lens include the bonus token
     if plan is not None:
         caps, features, predictions = plan

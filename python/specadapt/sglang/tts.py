@@ -146,22 +146,8 @@ class SGLangTTS:
         logits = target_logits.reshape(batch, slots, -1).float()
         temps = temperatures.reshape(batch, 1, 1).float().to(logits.device)
         temps = torch.where(temps > 0, temps, torch.ones_like(temps))
-        teacher = torch.softmax(logits / temps, dim=-1)
-        drafted = draft_probs.float() if draft_probs is not None else None
-        draft_width = getattr(self.student, "vocab_size", None)
-        if vocab_ids is not None:
-            ids = vocab_ids.to(logits.device)
-            teacher = teacher.index_select(-1, ids)
-            teacher = teacher / teacher.sum(-1, keepdim=True).clamp_min(1e-30)
-            drafted = drafted.index_select(-1, ids) if drafted is not None else None
-        elif draft_width is not None and teacher.shape[-1] != draft_width:
-            if teacher.shape[-1] < draft_width:
-                raise ValueError(f"TTS: the target's logits have {teacher.shape[-1]} columns, fewer than the "
-                                 f"draft's vocabulary ({draft_width})")
-            # a padded target vocabulary: the draft cannot propose the extra ids; teach the renormalised rest
-            teacher = teacher[..., :draft_width]
-            teacher = teacher / teacher.sum(-1, keepdim=True).clamp_min(1e-30)
-            drafted = drafted[..., :draft_width] if drafted is not None else None
+        teacher = self._draft_rows(torch.softmax(logits / temps, dim=-1), renormalise=True)
+        drafted = self._draft_rows(draft_probs.float()) if draft_probs is not None else None
         if features is None or not getattr(self.student, "uses_features", True):
             features = teacher.new_zeros(batch, slots, 0)  # a STANDALONE draft reads no target features
         snap = {
@@ -176,6 +162,43 @@ class SGLangTTS:
                 if isinstance(value, torch.Tensor):
                     value.record_stream(self.updater._stream)
         return snap
+
+    def _draft_rows(self, rows: torch.Tensor, renormalise: bool = False) -> torch.Tensor:
+        """``[..., V]`` target-vocabulary rows -> the draft's output vocabulary ``[..., V_d]`` (hot ids of an EAGLE-3
+        head; the first ``vocab_size`` ids of a padded target vocabulary), renormalised for a teacher."""
+        vocab_ids = self.student.draft_vocab
+        draft_width = getattr(self.student, "vocab_size", None)
+        if vocab_ids is not None:
+            rows = rows.index_select(-1, vocab_ids.to(rows.device))
+        elif draft_width is not None and rows.shape[-1] != draft_width:
+            if rows.shape[-1] < draft_width:
+                raise ValueError(f"TTS: the target's logits have {rows.shape[-1]} columns, fewer than the "
+                                 f"draft's vocabulary ({draft_width})")
+            rows = rows[..., :draft_width]  # a padded target vocabulary: the draft cannot propose the rest
+        else:
+            return rows
+        return rows / rows.sum(-1, keepdim=True).clamp_min(1e-30) if renormalise else rows
+
+    def select_path(self, snap: dict, path_nodes: torch.Tensor, draft_probs: torch.Tensor | None) -> dict:
+        """Keep one root-to-leaf path per request of a snapshot taken over a verify tree (GBV: the chosen path).
+
+        Args:
+            snap: :meth:`snapshot` of all ``N`` tree nodes (``draft_probs=None``).
+            path_nodes: ``[B, L+1]`` local node ids (root first) of the path to keep.
+            draft_probs: ``[B, L, V]`` the q rows the path's drafts were sampled from, or ``None``.
+
+        Returns:
+            A snapshot of the path in chain layout (slot ``j`` = the path's depth-``j`` node), for :meth:`record`.
+        """
+        nodes = path_nodes.to(torch.int64).to(snap["tokens"].device)
+        gather = lambda t: t.gather(1, nodes.reshape(*nodes.shape, *([1] * (t.dim() - 2))).expand(  # noqa: E731
+            -1, -1, *t.shape[2:]))
+        out = dict(snap)
+        out["tokens"] = snap["tokens"].gather(1, nodes)
+        out["features"] = gather(snap["features"])
+        out["teacher"] = gather(snap["teacher"])
+        out["drafted"] = None if draft_probs is None else self._draft_rows(draft_probs.float()).detach().clone()
+        return out
 
     def record(self, snap: dict, accepted) -> None:
         """Build the round's examples from ``snap`` and ``accepted`` (``[B]`` drafts accepted, bonus excluded)

@@ -46,6 +46,7 @@ class VerifyRuntime:
             right before SGLang's sampler runs and it is consumed by that call), or ``None``.
         calls: number of verification calls served (for start-up checks and logs).
         gbv: the K-path drafting state (:class:`specadapt.sglang.gbv.GBVDrafting`) when ``rule == "gbv"``.
+        last_gbv: the :class:`specadapt.sglang.gbv.GBVRound` of the last GBV call (read by the TTS hook).
     """
 
     rule: str = "chain"
@@ -54,6 +55,7 @@ class VerifyRuntime:
     pending_caps: torch.Tensor | None = None
     calls: int = 0
     gbv: object = None  # specadapt.sglang.gbv.GBVDrafting with --specadapt-verify gbv
+    last_gbv: object = None  # specadapt.sglang.gbv.GBVRound of the last GBV call (chosen paths, their q rows)
     _generators: dict = field(default_factory=dict)
 
     def take_caps(self) -> torch.Tensor | None:
@@ -146,9 +148,10 @@ def chain_speculative_sampling(
 
         if runtime.gbv is None:
             raise RuntimeError("specadapt: --specadapt-verify gbv without its K-path drafting state")
-        gbv_speculative_sampling(runtime.gbv, predicts, accept_index, accept_token_num, candidates, retrive_index,
-                                 retrive_next_token, retrive_next_sibling, uniform_samples,
-                                 uniform_samples_for_final_sampling, target_probs, draft_probs, impl=runtime.impl)
+        runtime.last_gbv = gbv_speculative_sampling(
+            runtime.gbv, predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
+            retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling, target_probs, draft_probs,
+            impl=runtime.impl, caps=runtime.take_caps())
         runtime.calls += 1
         return
     batch, slots = candidates.shape
