@@ -215,6 +215,7 @@ def students():
                        for n, p in eagle.named_parameters()),
         "finite": bool(torch.isfinite(logits).all()),
         "logits_width": logits.shape[-1], "lm_head_rows": eagle.lm_head.weight.shape[0],
+        "draft_vocab_size": eagle.config.draft_vocab_size,
         "lora_trainable": sorted(n for n, p in build_student(eagle, eagle.config, "lora").module.named_parameters()
                                  if n.startswith("lora_")),
     }
@@ -356,6 +357,146 @@ def gbv_worker_init():
     return {"outside": get_spec().speculative_use_rejection_sampling, **seen,
             "draft_tokens": get_spec().speculative_num_draft_tokens,
             "hot_ids": hot.ids.tolist(), "target_vocab": hot.target_vocab}
+
+
+def tp_students():
+    """TTS students at tensor parallelism 2: two gloo processes, each building SGLang's real model classes sharded
+    by SGLang's own weight loader; returns each rank's findings (:func:`tp_rank`)."""
+    import socket
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, __file__, "tp_rank", str(r), str(port)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [proc.communicate(timeout=600) for proc in procs]
+    for proc, (_, err) in zip(procs, outs):
+        if proc.returncode:
+            raise RuntimeError(err[-3000:])
+    return {"ranks": [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]}
+
+
+def tp_rank(rank, port):
+    """One rank of :func:`tp_students`: SGLang Llama (key/value heads replicated over the ranks), Qwen2 (q/k/v
+    biases) and Qwen3 (q/k norms) drafts loaded with TP 2 from transformers weights, and an EAGLE-3 draft; each
+    student's logits against the unsharded reference, then a LoRA publish read back through the served shards."""
+    import types
+
+    import torch
+
+    rank = int(rank)
+    if "vllm" not in sys.modules:
+        vllm, ops = types.ModuleType("vllm"), types.ModuleType("vllm._custom_ops")
+        ops.rotary_embedding = None
+        vllm._custom_ops = ops
+        sys.modules["vllm"], sys.modules["vllm._custom_ops"] = vllm, ops
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from sglang.test.test_utils import publish_build_topology
+
+    make_group = parallel_state.init_model_parallel_group  # CPU: gloo only, no NCCL communicators
+
+    def cpu_group(*args, **kwargs):
+        return make_group(*args, **{**kwargs, "use_pynccl": False, "use_custom_allreduce": False,
+                                    "use_mscclpp": False, "use_torch_symm_mem_allreduce": False})
+
+    parallel_state.init_model_parallel_group = cpu_group
+    init_distributed_environment(world_size=2, rank=rank, local_rank=rank, backend="gloo")
+    publish_build_topology(world_rank=rank, tp_size=2, ep_size=1, pp_size=1)
+    initialize_model_parallel(backend="gloo")
+
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from sglang.srt.models.llama import LlamaForCausalLM as SgLlama
+    from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
+    from sglang.srt.models.qwen2 import Qwen2ForCausalLM as SgQwen2
+    from sglang.srt.models.qwen3 import Qwen3ForCausalLM as SgQwen3
+
+    from specadapt.sglang.install import _tensor_parallel
+    from specadapt.sglang.students import build_student
+
+    tp = _tensor_parallel()
+    small = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=128, tie_word_embeddings=False)
+    out = {"tp_rank": tp.rank, "tp_size": tp.size}
+    for family, (config_cls, hf_cls, sg_cls, extra) in {
+        "llama_kv1": (LlamaConfig, LlamaForCausalLM, SgLlama, {"num_key_value_heads": 1}),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM, SgQwen2, {"num_key_value_heads": 2}),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM, SgQwen3, {"num_key_value_heads": 2, "head_dim": 8}),
+    }.items():
+        torch.manual_seed(0)  # the same model on both ranks
+        config = config_cls(**small, **extra)
+        hf = hf_cls(config).eval()
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if "norm" in name or name.endswith("bias"):
+                    p.add_(torch.randn_like(p) * 0.1)
+        draft = sg_cls(config)
+        draft.load_weights(list(hf.state_dict().items()))
+        tokens = torch.randint(128, (2, 7))
+        mask = torch.ones(2, 7, dtype=torch.bool)
+        student = build_student(draft, draft.config, "lora", 4, tp=tp)
+        with torch.no_grad():
+            diff = float((student.logits(student.module, None, tokens, mask) - hf(tokens).logits).abs().max())
+            for name, p in student.module.named_parameters():
+                if name.startswith("lora_b__"):
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
+            adapted = student.logits(student.module, None, tokens, mask)
+        served = {n: p.data_ptr() for n, p in draft.named_parameters()}
+        student.refresh()
+        fresh = build_student(draft, draft.config, "full", tp=tp)  # gathers the served shards again
+        with torch.no_grad():
+            after = float((fresh.logits(fresh.module, None, tokens, mask) - adapted).abs().max())
+        out[family] = {"max_abs_diff": diff, "after_publish_diff": after,
+                       "in_place": served == {n: p.data_ptr() for n, p in draft.named_parameters()},
+                       "shard_rows": int(draft.model.layers[0].self_attn.qkv_proj.weight.shape[0])}
+    # EAGLE-3: the TP-2 student against a TP-1 student over the full fused tensors
+    torch.manual_seed(1)
+    config = LlamaConfig(**{**small, "num_hidden_layers": 1}, num_key_value_heads=2, draft_vocab_size=128)
+    eagle = LlamaForCausalLMEagle3(config)
+    full = {n: torch.randn(p.shape[0] * (2 if n != "model.fc.weight" and p.dim() and "norm" not in n else 1),
+                           *p.shape[1:]) for n, p in eagle.named_parameters()}
+    hidden = 32
+    full["model.layers.0.self_attn.qkv_proj.weight"] = torch.randn((4 + 2 * 2) * 8, 2 * hidden)
+    full["model.layers.0.self_attn.o_proj.weight"] = torch.randn(hidden, 4 * 8)
+    full["model.layers.0.mlp.down_proj.weight"] = torch.randn(hidden, 48)
+    full["model.fc.weight"] = torch.randn(hidden, 3 * hidden)
+    for n in list(full):
+        if "norm" in n:
+            full[n] = 1 + 0.1 * torch.randn(hidden)
+    pre = "model.layers.0."
+    hf_names = {pre + "self_attn.q_proj.weight": full[pre + "self_attn.qkv_proj.weight"][:32],
+                pre + "self_attn.k_proj.weight": full[pre + "self_attn.qkv_proj.weight"][32:48],
+                pre + "self_attn.v_proj.weight": full[pre + "self_attn.qkv_proj.weight"][48:],
+                pre + "mlp.gate_proj.weight": full[pre + "mlp.gate_up_proj.weight"][:48],
+                pre + "mlp.up_proj.weight": full[pre + "mlp.gate_up_proj.weight"][48:]}
+    state = {n: t for n, t in full.items() if "qkv_proj" not in n and "gate_up_proj" not in n}
+    state.update(hf_names)
+    eagle.load_weights([(n.replace("model.", "", 1) if n.startswith("model.") else n, t) for n, t in state.items()])
+    student = build_student(eagle, eagle.config, "full", tp=tp)
+    from torch import nn
+
+    class Stand(nn.Module):
+        pass
+
+    ref_draft = type("LlamaForCausalLMEagle3", (nn.Module,), {})()
+    for name, value in full.items():
+        *path, leaf = name.split(".")
+        owner = ref_draft
+        for part in path:
+            if not hasattr(owner, part):
+                owner.add_module(part, Stand())
+            owner = getattr(owner, part)
+        owner.register_parameter(leaf, nn.Parameter(value.clone(), requires_grad=False))
+    reference = build_student(ref_draft, eagle.config, "full")
+    feats, toks = torch.randn(2, 5, 96, generator=torch.Generator().manual_seed(2)), torch.randint(128, (2, 5))
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    with torch.no_grad():
+        out["eagle3_max_abs_diff"] = float((student.logits(student.module, feats, toks, mask)
+                                            - reference.logits(reference.module, feats, toks, mask)).abs().max())
+    return out
 
 
 if __name__ == "__main__":

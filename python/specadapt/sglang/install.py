@@ -147,7 +147,8 @@ def install_worker_hooks(scheduler, config: PluginConfig, asynchronous_tts: bool
         from .tts import SGLangTTS
 
         draft_model = worker.draft_worker.draft_runner.model
-        student = build_student(draft_model, draft_model.config, config.tts_params, config.tts_lora_rank)
+        student = build_student(draft_model, draft_model.config, config.tts_params, config.tts_lora_rank,
+                                tp=_tensor_parallel())
         state.tts = SGLangTTS(student, config, asynchronous=asynchronous_tts)
     if config.verify == "gbv" and algorithm in EAGLE_FAMILY:
         steps = int(server_args.speculative_num_steps or 1)
@@ -173,6 +174,26 @@ def _draft_vocab(worker) -> int:
     """Vocabulary of the draft's q rows (the target's: rejection sampling needs a shared vocabulary)."""
     runner = worker.draft_worker.draft_runner
     return int(runner.model_config.vocab_size)
+
+
+def _tensor_parallel():
+    """This rank's :class:`~specadapt.sglang.students.TensorParallel` in SGLang's TP group (the draft's weights are
+    sharded over it), or ``None`` when TP = 1 / no process group."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        group = get_parallel().tp_group
+    except Exception:  # noqa: BLE001 - no parallel context (tests, TP = 1)
+        return None
+    size = int(getattr(group, "world_size", 1))
+    if size <= 1:
+        return None
+    from .students import TensorParallel
+
+    def gather(tensor):
+        return list(group.all_gather(tensor.contiguous().unsqueeze(0), dim=0).unbind(0))
+
+    return TensorParallel(rank=int(group.rank_in_group), size=size, gather=gather)
 
 
 def _tp_broadcast():

@@ -15,18 +15,20 @@ from __future__ import annotations
 from torch import nn
 
 from ._common import StudentWeights
+from .sharding import Layout, TensorParallel
 from .eagle3 import Eagle3LlamaStudent
 from .standalone import SUPPORTED_ARCHITECTURES, DenseLMStudent
 
-__all__ = ["DenseLMStudent", "Eagle3LlamaStudent", "StudentWeights", "build_student"]
+__all__ = ["DenseLMStudent", "Eagle3LlamaStudent", "Layout", "StudentWeights", "TensorParallel", "build_student"]
 
 
-def build_student(draft_model: nn.Module, config, params: str = "full", lora_rank: int = 8):
+def build_student(draft_model: nn.Module, config, params: str = "full", lora_rank: int = 8, tp=None):
     """The student for ``draft_model``'s architecture.
 
     Args:
         draft_model: SGLang's serving draft module; config: its HF config.
         params: ``full`` or ``lora`` (``--tts-params``); lora_rank: ``--tts-lora-rank``.
+        tp: this rank's :class:`~.sharding.TensorParallel` when the draft is sharded over TP ranks (``None``: 1).
 
     Raises:
         ValueError: an architecture without a student (the message lists the supported ones), or a layout the
@@ -35,8 +37,8 @@ def build_student(draft_model: nn.Module, config, params: str = "full", lora_ran
     arch = type(draft_model).__name__
     names = dict(draft_model.named_parameters())
     if arch == "LlamaForCausalLMEagle3" or "model.layers.0.hidden_norm.weight" in names:
-        return Eagle3LlamaStudent(draft_model, config, params, lora_rank)
+        return Eagle3LlamaStudent(draft_model, config, params, lora_rank, tp)
     if arch in SUPPORTED_ARCHITECTURES:
-        return DenseLMStudent(draft_model, config, params, lora_rank)
+        return DenseLMStudent(draft_model, config, params, lora_rank, tp)
     raise ValueError(f"TTS has no training forward for the draft architecture {arch}; supported: "
                      f"LlamaForCausalLMEagle3 (EAGLE/EAGLE3), {', '.join(SUPPORTED_ARCHITECTURES)} (STANDALONE)")

@@ -86,12 +86,15 @@ class StudentWeights:
     """The student's parameters over the serving draft's tensors.
 
     ``module`` (an ``nn.Module``, what :class:`specadapt.tts.TTSUpdater` copies and trains) holds, for every
-    name in ``names``, a frozen Parameter sharing storage with the serving tensor. With ``params="lora"`` it
-    also holds, for every name in ``adapted`` (2-D weights ``[out, in]``), a frozen copy of the original weight
-    ``W0`` and float32 adapters ``A [r, in]`` (Kaiming-uniform) and ``B [out, r]`` (zeros, so the student starts
-    equal to the draft). :meth:`linear` is ``x W0^T + (alpha / r) (x A^T) B^T`` there, and :meth:`refresh`
-    (called after each publish and rollback) writes ``W0 + (alpha / r) B A`` into the serving tensor in place:
-    SGLang's fused kernels and CUDA graphs read plain weights, so LoRA is merged, not run beside them.
+    name in ``names``, a frozen Parameter: with tensor parallelism 1 it shares storage with the serving tensor;
+    with ``tp.size > 1`` it is the full tensor gathered from every rank's shard (:mod:`.sharding`). With
+    ``params="lora"`` it also holds, for every name in ``adapted`` (2-D weights ``[out, in]``), a frozen copy of
+    the original full weight ``W0`` and float32 adapters ``A [r, in]`` (Kaiming-uniform) and ``B [out, r]``
+    (zeros, so the student starts equal to the draft). :meth:`linear` is ``x W0^T + (alpha / r) (x A^T) B^T``
+    there. :meth:`refresh` (called after each publish and rollback) writes what serving must read into the
+    served storage in place: ``W0 + (alpha / r) B A`` for adapted weights (SGLang's fused kernels and CUDA graphs
+    read plain weights, so LoRA is merged, not run beside them), and with ``tp.size > 1`` this rank's shard of
+    every trained full tensor.
 
     Args:
         named: serving tensors by dotted name (``dict(draft.named_parameters())``).
@@ -99,28 +102,39 @@ class StudentWeights:
         adapted: names that get LoRA adapters with ``params="lora"``.
         params: ``full`` or ``lora``.
         rank: LoRA rank ``r``; alpha: scale numerator (default ``r``: scale 1, as :class:`specadapt.tts.LoRALinear`).
+        tp: this rank's :class:`~.sharding.TensorParallel` (``None``: TP 1); layouts: ``name -> Layout`` of the
+            sharded names (others are replicated).
 
     Raises:
         ValueError: ``params`` not ``full``/``lora``, ``rank < 1``, or an adapted name that is not a 2-D weight.
     """
 
     def __init__(self, named: dict[str, torch.Tensor], names, adapted=(), params: str = "full", rank: int = 8,
-                 alpha: float | None = None) -> None:
+                 alpha: float | None = None, tp=None, layouts=None) -> None:
+        from .sharding import Layout, unshard
+
         if params not in ("full", "lora"):
             raise ValueError(f"--tts-params must be full or lora, got {params!r}")
         if params == "lora" and rank < 1:
             raise ValueError(f"--tts-lora-rank must be >= 1, got {rank}")
         self.params = params
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        self.layouts = {n: (layouts or {}).get(n, Layout()) for n in names}
         self.module = nn.Module()
         self.serving: dict[str, torch.Tensor] = {}
-        for name in names:
-            tensor = named[name]
-            self.module.register_parameter(_key(name), nn.Parameter(tensor.data, requires_grad=False))
-            self.serving[name] = tensor.data
+        for name in names:  # the same order on every rank: the gathers are collectives
+            tensor = named[name].data
+            full = tensor
+            if self.tp is not None and self.layouts[name].kind != "replicated":
+                full = unshard(self.layouts[name], [t.to(tensor.device) for t in self.tp.gather(tensor)],
+                               self.tp.size)
+            self.module.register_parameter(_key(name), nn.Parameter(full, requires_grad=False))
+            self.serving[name] = tensor
         self.adapted = tuple(adapted) if params == "lora" else ()
         self.scale = (alpha if alpha is not None else rank) / rank
+        self.trained: tuple[str, ...] = ()
         for name in self.adapted:
-            w = self.serving[name]
+            w = self.get(self.module, name)
             if w.dim() != 2:
                 raise ValueError(f"LoRA needs a 2-D weight, {name} has shape {tuple(w.shape)}")
             key = _key(name)
@@ -130,6 +144,14 @@ class StudentWeights:
             self.module.register_parameter("lora_a__" + key, nn.Parameter(a))
             self.module.register_parameter(
                 "lora_b__" + key, nn.Parameter(torch.zeros(w.shape[0], rank, dtype=torch.float32, device=w.device)))
+
+    def set_trained(self, trainable) -> None:
+        """Record which served tensors training changes (``trainable(key, param)`` over ``module``'s names)."""
+        if self.params == "lora":
+            self.trained = self.adapted
+            return
+        keys = {k for k, p in self.module.named_parameters() if trainable(k, p)}
+        self.trained = tuple(n for n in self.serving if _key(n) in keys)
 
     def is_adapter(self, param_name: str) -> bool:
         """True for the LoRA adapters' parameter names in ``module``."""
@@ -159,11 +181,28 @@ class StudentWeights:
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Merge the published adapters into the serving tensors in place (no-op with ``params="full"``)."""
-        for name in self.adapted:
-            self.serving[name].copy_(self.merged(name))
+        """Write the trained state into the served storage in place: merged LoRA weights, and with TP > 1 this
+        rank's shard of every trained tensor (no-op for ``params="full"`` at TP 1: the tensors are aliased)."""
+        from .sharding import shard
+
+        for name in self.trained:
+            if name in self.adapted:
+                full = self.merged(name)
+            elif self.tp is not None and self.layouts[name].kind != "replicated":
+                full = self.get(self.module, name)
+            else:
+                continue  # aliased: training already wrote the served tensor
+            if self.tp is None:
+                self.serving[name].copy_(full)
+            else:
+                self.serving[name].copy_(shard(self.layouts[name], full, self.tp.rank, self.tp.size))
 
     def nbytes_added(self) -> int:
-        """Bytes the LoRA mode adds beside the serving tensors (frozen copies + adapters)."""
-        return sum(p.numel() * p.element_size() for n, p in self.module.named_parameters()
-                   if n.startswith(("base__", "lora_a__", "lora_b__")))
+        """Bytes the student adds beside the serving tensors (gathered full tensors, frozen copies, adapters)."""
+        added = sum(p.numel() * p.element_size() for n, p in self.module.named_parameters()
+                    if n.startswith(("base__", "lora_a__", "lora_b__")))
+        for name, tensor in self.serving.items():
+            full = self.get(self.module, name)
+            if full.data_ptr() != tensor.data_ptr():
+                added += full.numel() * full.element_size()
+        return added

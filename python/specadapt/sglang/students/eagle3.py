@@ -1,4 +1,4 @@
-"""Student of SGLang's ``LlamaForCausalLMEagle3`` draft (EAGLE-3, Li et al. 2025), tensor parallelism 1.
+"""Student of SGLang's ``LlamaForCausalLMEagle3`` draft (EAGLE-3, Li et al. 2025), any tensor parallelism.
 
 Fused target features ``fc(concat of the aux hidden states)``, one decoder layer whose attention reads
 ``[input_layernorm(embed(x)), hidden_norm(h)]`` (width 2H) with the un-normalised ``h`` as residual, final norm
@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import StudentWeights, attention, rms_norm, rope_inv_freq
+from .sharding import Layout
 
 __all__ = ["Eagle3LlamaStudent"]
 
@@ -31,9 +32,12 @@ class Eagle3LlamaStudent:
         params: ``full`` (the draft's own layers, LM head and norms train; publishes copy in place) or ``lora``
             (rank-``lora_rank`` adapters on ``fc`` and the layer's four projections; publishes merge them).
         lora_rank: adapter rank for ``params="lora"``.
+        tp: this rank's :class:`~.sharding.TensorParallel` (``None``: TP 1): the student gathers full tensors and
+            publishes this rank's shards.
 
     Raises:
-        ValueError: a missing parameter, more than one decoder layer, a TP-sharded layout, or a bad ``params``.
+        ValueError: a missing parameter, more than one decoder layer, shards that do not match the heads and TP
+            size, or a bad ``params``.
     """
 
     uses_features = True
@@ -46,7 +50,7 @@ class Eagle3LlamaStudent:
     ADAPTED = ("model.fc.weight", "model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.self_attn.o_proj.weight",
                "model.layers.0.mlp.gate_up_proj.weight", "model.layers.0.mlp.down_proj.weight")
 
-    def __init__(self, draft_model: nn.Module, config, params: str = "full", lora_rank: int = 8) -> None:
+    def __init__(self, draft_model: nn.Module, config, params: str = "full", lora_rank: int = 8, tp=None) -> None:
         named = dict(draft_model.named_parameters())
         missing = [n for n in self.REQUIRED + ("model.embed_tokens.weight",) if n not in named]
         if missing:
@@ -58,17 +62,27 @@ class Eagle3LlamaStudent:
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
         hidden = int(config.hidden_size)
         self.head_dim = int(getattr(config, "head_dim", None) or hidden // self.num_heads)
+        qkv = Layout("qkv", heads=self.num_heads, kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+        size = 1 if tp is None else tp.size
         qkv_rows = named["model.layers.0.self_attn.qkv_proj.weight"].shape[0]
-        expected = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        if qkv_rows != expected:
-            raise ValueError(f"TTS: qkv_proj has {qkv_rows} rows, expected {expected}: tensor parallelism > 1 is not supported")
+        if qkv_rows != qkv.shard_rows(size):
+            raise ValueError(f"TTS: qkv_proj has {qkv_rows} rows, expected {qkv.shard_rows(size)} on each of {size} "
+                             "tensor-parallel rank(s)")
         self.eps = float(getattr(config, "rms_norm_eps", 1e-6))
+        pre = "model.layers.0."
+        layouts = {pre + "self_attn.qkv_proj.weight": qkv, pre + "self_attn.o_proj.weight": Layout("cols"),
+                   pre + "mlp.gate_up_proj.weight": Layout("merged"), pre + "mlp.down_proj.weight": Layout("cols"),
+                   "model.embed_tokens.weight": Layout("rows"), "lm_head.weight": Layout("rows")}
         self.weights = StudentWeights(named, self.REQUIRED + ("model.embed_tokens.weight",), self.ADAPTED, params,
-                                      lora_rank)
+                                      lora_rank, tp=tp, layouts=layouts)
         self.module = self.weights.module
         hot = getattr(draft_model, "hot_token_id", None)
         self.draft_vocab = None if hot is None else torch.as_tensor(hot).to(torch.int64).reshape(-1)
+        # the head's rows are padded to a multiple of 64 (and TP); logits keep the draft's own ids
+        self.vocab_size = (int(self.draft_vocab.numel()) if self.draft_vocab is not None
+                           else int(getattr(config, "draft_vocab_size", None) or config.vocab_size))
         self.inv_freq = rope_inv_freq(config, self.head_dim)
+        self.weights.set_trained(self.trainable)
 
     def trainable(self, name: str, param: nn.Parameter) -> bool:
         """LoRA: the adapters. Full: the draft's own tensors, never the embedding (shared with the target)."""
@@ -105,4 +119,5 @@ class Eagle3LlamaStudent:
                            rms_norm(h, p("model.layers.0.post_attention_layernorm.weight"), self.eps))
         gate, up = gate_up.chunk(2, dim=-1)
         h = w.linear(module, "model.layers.0.mlp.down_proj.weight", F.silu(gate) * up) + residual
-        return F.linear(rms_norm(h, p("model.norm.weight"), self.eps), p("lm_head.weight")).float()
+        logits = F.linear(rms_norm(h, p("model.norm.weight"), self.eps), p("lm_head.weight"))
+        return logits[..., : self.vocab_size].float()

@@ -1,6 +1,6 @@
 """Student of a STANDALONE draft: a small dense decoder-only LM (SGLang's ``LlamaForCausalLM``,
 ``MistralForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM``, e.g. Qwen3-0.6B drafting for Qwen3-8B),
-tensor parallelism 1.
+any tensor parallelism (:mod:`.sharding`).
 
 The draft shares nothing with the target and reads no target features: the student is the model's own causal
 LM forward over the request's recent committed tokens (``--tts-context-window``) and the round's verified
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import StudentWeights, attention, rms_norm, rope_inv_freq
+from .sharding import Layout
 
 __all__ = ["DenseLMStudent", "SUPPORTED_ARCHITECTURES"]
 
@@ -44,15 +45,16 @@ class DenseLMStudent:
         config: its HF config (``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``hidden_size``,
             ``rms_norm_eps``, ``vocab_size``, ``hidden_act``, RoPE settings).
         params: ``full`` or ``lora``; lora_rank: adapter rank.
+        tp: this rank's :class:`~.sharding.TensorParallel` (``None``: TP 1).
 
     Raises:
         ValueError: an unsupported architecture or activation, a parameter the student does not know (MoE
-            experts, extra norms), a missing one, or a TP-sharded layout.
+            experts, extra norms), a missing one, or shards that do not match the heads and TP size.
     """
 
     uses_features = False
 
-    def __init__(self, draft_model: nn.Module, config, params: str = "full", lora_rank: int = 8) -> None:
+    def __init__(self, draft_model: nn.Module, config, params: str = "full", lora_rank: int = 8, tp=None) -> None:
         arch = type(draft_model).__name__
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"TTS: no student for the STANDALONE draft architecture {arch}; "
@@ -84,21 +86,32 @@ class DenseLMStudent:
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
         hidden = int(config.hidden_size)
         self.head_dim = int(getattr(config, "head_dim", None) or hidden // self.num_heads)
+        qkv = Layout("qkv", heads=self.num_heads, kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+        size = 1 if tp is None else tp.size
         qkv_rows = named["model.layers.0.self_attn.qkv_proj.weight"].shape[0]
-        expected = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        if qkv_rows != expected:
-            raise ValueError(f"TTS: qkv_proj has {qkv_rows} rows, expected {expected}: tensor parallelism > 1 is not supported")
+        if qkv_rows != qkv.shard_rows(size):
+            raise ValueError(f"TTS: qkv_proj has {qkv_rows} rows, expected {qkv.shard_rows(size)} on each of {size} "
+                             "tensor-parallel rank(s)")
         self.eps = float(getattr(config, "rms_norm_eps", 1e-6))
         self.vocab_size = int(getattr(config, "vocab_size", None) or named[head].shape[0])
         self.head = head
         names = sorted({n for n in named if _LAYER_PARAM.match(n)} | set(required))
         adapted = [f"model.layers.{i}.{s}.weight" for i in range(self.num_layers)
                    for s in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")]
-        self.weights = StudentWeights(named, names, adapted, params, lora_rank)
+        layouts = {"model.embed_tokens.weight": Layout("rows"), "lm_head.weight": Layout("rows")}
+        for i in range(self.num_layers):
+            pre = f"model.layers.{i}."
+            layouts.update({pre + "self_attn.qkv_proj.weight": qkv, pre + "self_attn.qkv_proj.bias": qkv,
+                            pre + "self_attn.o_proj.weight": Layout("cols"),
+                            pre + "mlp.gate_up_proj.weight": Layout("merged"),
+                            pre + "mlp.gate_up_proj.bias": Layout("merged"),
+                            pre + "mlp.down_proj.weight": Layout("cols")})
+        self.weights = StudentWeights(named, names, adapted, params, lora_rank, tp=tp, layouts=layouts)
         self.module = self.weights.module
         self.draft_vocab = None
         self.inv_freq = rope_inv_freq(config, self.head_dim)
         self._has = set(names)
+        self.weights.set_trained(self.trainable)
 
     def trainable(self, name: str, param: nn.Parameter) -> bool:
         """LoRA: the adapters. Full: the decoder layers (embedding, final norm and LM head stay frozen)."""
