@@ -114,19 +114,21 @@ def test_q_buffer_overflow_for_large_eager_batches():
         drafting.record(3, rows)
 
 
-def test_first_draft_samples_are_independent_draws_and_greedy_rows_take_the_top_k():
+@pytest.mark.parametrize("sampler", [None, _sampler])
+def test_first_draft_samples_are_independent_draws_and_greedy_rows_take_the_argmax(sampler):
+    """Unseeded (torch.multinomial with replacement) and through a fast_sample-style sampler on K copies."""
     torch.manual_seed(0)
     q = torch.tensor([0.5, 0.3, 0.15, 0.05])
     n = 40_000
-    scores, index = gbv.first_draft_samples(q.expand(n, 4).contiguous(), 2, sampler=_sampler)
+    scores, index = gbv.first_draft_samples(q.expand(n, 4).contiguous(), 2, sampler=sampler)
     assert scores.shape == (n, 2) and index.shape == (n, 2)
     joint = torch.zeros(4, 4)
     joint.index_put_((index[:, 0], index[:, 1]), torch.ones(n), accumulate=True)
     expected = (q[:, None] * q[None, :]) * n  # i.i.d. with replacement: the product law
     chi2 = float(((joint - expected) ** 2 / expected).sum())
     assert stats.chi2.sf(chi2, 15) > 1e-3, chi2
-    greedy = gbv.first_draft_samples(q.expand(2, 4).contiguous(), 3, top_ks=torch.tensor([1, 0]), sampler=_sampler)[1]
-    assert greedy[0].tolist() == [0, 1, 2]
+    greedy = gbv.first_draft_samples(q.expand(2, 4).contiguous(), 3, top_ks=torch.tensor([1, 0]), sampler=sampler)[1]
+    assert greedy[0].tolist() == [0, 0, 0]
 
 
 def _with_root(tokens):
@@ -266,6 +268,16 @@ def test_gbv_settings_and_targets():
         validate_for_server(cfg, server(speculative_eagle_topk=1))
     # the issue's headline combination
     validate_for_server(PluginConfig(verify="gbv", num_paths=3, adaptive_verification=True, tts=True), server())
+    for extra, flag in ((dict(enable_multi_layer_eagle=True), "--enable-multi-layer-eagle"),
+                        (dict(speculative_adaptive=True), "--speculative-adaptive"),
+                        (dict(disaggregation_mode="decode"), "--disaggregation-mode decode"),
+                        (dict(pp_size=2), "--pp-size 2"),
+                        (dict(speculative_accept_threshold_single=0.5), "--speculative-accept-threshold-single")):
+        with pytest.raises(PluginConfigError, match=flag):
+            validate_for_server(cfg, server(**extra))
+    with pytest.raises(PluginConfigError, match="--speculative-accept-threshold-acc"):
+        validate_for_server(PluginConfig(verify="block"), server(speculative_algorithm="STANDALONE",
+                                                                 speculative_accept_threshold_acc=0.9))
     with pytest.raises(PluginConfigError, match="cannot replace"):
         validate_for_server(cfg, server(speculative_algorithm="DFLASH"))
     targets = [t for t, _, _ in plan_targets(cfg, "EAGLE3")]

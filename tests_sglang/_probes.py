@@ -80,7 +80,7 @@ def install_gbv():
     load_plugins()
     config = PluginConfig(verify="gbv", num_paths=3)
     install_pre_worker_hooks(config)
-    server_args = SimpleNamespace(speculative_algorithm="EAGLE3", speculative_num_steps=4, cuda_graph_max_bs=5,
+    server_args = SimpleNamespace(speculative_algorithm="EAGLE3", speculative_num_steps=4, cuda_graph_max_bs_decode=5,
                                   max_running_requests=64)
     runner = SimpleNamespace(model_config=SimpleNamespace(vocab_size=17))
     worker = SimpleNamespace(draft_worker=SimpleNamespace(draft_runner=runner), device="cpu")

@@ -38,6 +38,22 @@ def test_gbv_resolution_sets_the_tree_shape(plugins_loaded, tiny_models):
     assert getattr(sa, SERVER_ARGS_ATTR)["verify"] == "gbv"
 
 
+def test_the_scheduler_reads_the_resolved_depth(plugins_loaded, tiny_models):
+    """Resolution declares values beside the ServerArgs fields; the scheduler-side installation must read the
+    declarations (no --speculative-num-steps given: the plugin's default depth)."""
+    from sglang.srt.server_args import prepare_server_args
+
+    from specadapt.sglang.install import _resolved
+    from specadapt.sglang.plugin import DEFAULT_CHAIN_STEPS
+
+    sa = prepare_server_args(_args(tiny_models, "--specadapt-verify", "gbv", "--specadapt-num-paths", "2"))
+    sa.resolve_once()
+    assert sa.speculative_num_steps is None  # the raw field stays unset
+    assert _resolved(sa, "speculative_num_steps") == DEFAULT_CHAIN_STEPS
+    assert _resolved(sa, "speculative_eagle_topk") == 2
+    assert _resolved(sa, "speculative_num_draft_tokens") == 2 * DEFAULT_CHAIN_STEPS + 1
+
+
 def test_worker_hooks_hide_rejection_sampling_only_inside(tiny_models):
     from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker
 

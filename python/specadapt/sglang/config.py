@@ -213,7 +213,30 @@ def validate_for_server(config: PluginConfig, server_args: Any) -> None:
             f"--adaptive-verification reads the draft's q rows, which --speculative-algorithm {algo} does not "
             f"produce (use one of {', '.join(_AV_ALGORITHMS)})"
         )
+    eagle_family = algo in ("EAGLE", "EAGLE3", "STANDALONE")
+    if config.replaces_verification and eagle_family:
+        # SGLang checks these under rejection sampling; for STANDALONE and GBV the plugin hides the flag from it
+        for field, flag in (("speculative_accept_threshold_single", "--speculative-accept-threshold-single"),
+                            ("speculative_accept_threshold_acc", "--speculative-accept-threshold-acc")):
+            value = _field(server_args, field)
+            if value is not None and float(value) != 1.0:
+                raise PluginConfigError(f"{flag} {value}: the specadapt rules are exact rejection rules and take no "
+                                        "acceptance thresholds (leave it at 1.0)")
     if config.verify == "gbv":
+        for field, flag, why in (
+            ("enable_multi_layer_eagle", "--enable-multi-layer-eagle", "its draft worker has no K-path hooks"),
+            ("speculative_adaptive", "--speculative-adaptive", "GBV's draft depth and q-row buffer are fixed"),
+        ):
+            if _field(server_args, field):
+                raise PluginConfigError(f"--specadapt-verify gbv cannot run with {flag}: {why}")
+        mode = _field(server_args, "disaggregation_mode")
+        if mode not in (None, "null"):
+            raise PluginConfigError(
+                f"--specadapt-verify gbv cannot run with --disaggregation-mode {mode}: a prefill-decode handover "
+                "carries one draft token and a point-mass q, not K sampled paths")
+        pp = _field(server_args, "pp_size")
+        if pp is not None and int(pp) > 1:
+            raise PluginConfigError(f"--specadapt-verify gbv supports pipeline parallelism 1 (got --pp-size {pp})")
         if config.num_paths < 2:
             raise PluginConfigError("--specadapt-verify gbv needs --specadapt-num-paths >= 2 (K = 1 is block verification)")
         topk = _field(server_args, "speculative_eagle_topk")

@@ -156,28 +156,29 @@ def first_draft_samples(probs: torch.Tensor, num_paths: int, top_ks: torch.Tenso
     Args:
         probs: ``[B, V] float`` the draft's depth-1 law ``q_1`` (SGLang's ``draft_probs``).
         num_paths: K.
-        top_ks: ``[B]`` per-request top-k; rows with ``top_k <= 1`` are greedy and get their K most likely
-            tokens instead (their target law is one-hot, so any proposal is exact for them).
+        top_ks: ``[B]`` per-request top-k; rows with ``top_k <= 1`` are greedy and propose their argmax on every
+            path (their target law is one-hot, so any proposal is exact for them).
         sampling_seed, positions: ``[B]`` SGLang's per-request seeds and positions (deterministic sampling); the
             K branches get distinct seeds.
-        sampler: ``fast_sample``-compatible callable (SGLang's by default).
+        sampler: ``fast_sample``-compatible callable; by default ``torch.multinomial`` with replacement without
+            seeds, SGLang's ``fast_sample`` on K copies of the rows with seeds.
 
     Returns:
         ``(topk_p [B, K] float32`` branch scores, ``topk_index [B, K] int64)``.
     """
     batch, vocab = probs.shape
-    sampler = sampler or _fast_sample()
-    rows = probs.repeat_interleave(num_paths, dim=0)
-    seeds = _branch_seeds(sampling_seed, num_paths)
-    pos = None if positions is None else positions.reshape(-1).repeat_interleave(num_paths)
-    _, index = sampler(rows, 1, sampling_seed=seeds, positions=pos)
+    if sampling_seed is None and sampler is None:
+        index = torch.multinomial(probs, num_paths, replacement=True)  # i.i.d., no K-fold copy of the rows
+    else:
+        sampler = sampler or _fast_sample()
+        rows = probs.repeat_interleave(num_paths, dim=0)
+        seeds = _branch_seeds(sampling_seed, num_paths)
+        pos = None if positions is None else positions.reshape(-1).repeat_interleave(num_paths)
+        _, index = sampler(rows, 1, sampling_seed=seeds, positions=pos)
     index = index.reshape(batch, num_paths).to(torch.int64)
-    if top_ks is not None:
+    if top_ks is not None:  # greedy rows: K copies of the argmax (q > 0 there; any proposal is exact for them)
         greedy = (top_ks.reshape(-1) <= 1)[:, None]
-        top = probs.topk(min(num_paths, vocab), dim=-1).indices
-        if top.shape[1] < num_paths:
-            top = torch.cat([top, top[:, :1].expand(batch, num_paths - top.shape[1])], dim=1)
-        index = torch.where(greedy, top.to(torch.int64), index)
+        index = torch.where(greedy, probs.argmax(dim=-1, keepdim=True).to(torch.int64), index)
     return branch_scores(num_paths, batch, probs.device), index
 
 
@@ -282,10 +283,19 @@ def chain_nodes(retrive_next_token: torch.Tensor, retrive_next_sibling: torch.Te
     for _ in range(num_steps - 1):
         levels.append(nxt.gather(1, levels[-1].clamp_min(0)))
     nodes = torch.stack(levels, dim=2)
-    if bool((nodes < 0).any()):
-        raise ValueError("specadapt GBV: the verify tree is not K chains of depth L (was it drafted by the "
-                         "plugin's K-path hooks?)")
+    _check((nodes >= 0).all(), "specadapt GBV: the verify tree is not K chains of depth L (was it drafted by the "
+                               "plugin's K-path hooks?)")
     return nodes
+
+
+def _check(condition: torch.Tensor, message: str) -> None:
+    """Raise ``ValueError(message)`` when ``condition`` (a bool tensor) is false: on the host for CPU tensors,
+    as an asynchronous device assertion otherwise (no host sync in SGLang's verify path)."""
+    if condition.device.type == "cpu":
+        if not bool(condition):
+            raise ValueError(message)
+    else:
+        torch._assert_async(condition, message)
 
 
 @dataclass
@@ -313,8 +323,9 @@ def _gbv_capped(tokens, target, q, coins, final, caps, impl):
     accept_len = torch.zeros(batch, dtype=torch.int32, device=tokens.device)
     output = torch.zeros(batch, slots, dtype=torch.int32, device=tokens.device)
     chosen = torch.zeros(batch, dtype=torch.int32, device=tokens.device)
-    for cap in sorted(set(caps.clamp(0, depth).tolist())):
-        rows = (caps.clamp(0, depth) == cap).nonzero().squeeze(1)
+    caps = caps.clamp(0, depth)
+    for cap in sorted(set(caps.tolist())):
+        rows = (caps == cap).nonzero().squeeze(1).to(tokens.device)
         if cap == 0:  # nothing verified: the next token straight from the target
             output[rows, 0] = _sample_rows(target[rows, 0, 0], final[rows]).to(torch.int32)
             continue
@@ -331,7 +342,7 @@ def _gbv_capped(tokens, target, q, coins, final, caps, impl):
 def gbv_speculative_sampling(drafting: GBVDrafting, predicts, accept_index, accept_token_num, candidates,
                              retrive_index, retrive_next_token, retrive_next_sibling, uniform_samples,
                              uniform_samples_for_final_sampling, target_probs, draft_probs, impl: str = "auto",
-                             caps: torch.Tensor | None = None) -> GBVRound:
+                             caps: torch.Tensor | None = None, broadcast=None) -> GBVRound:
     """GBV over the K chains of SGLang's verify tree, written into SGLang's in-place outputs.
 
     Layout (SGLang 0.5.23 ``eagle_sample`` under rejection sampling, top-k K): ``candidates [B, N] int64`` (node 0
@@ -341,7 +352,8 @@ def gbv_speculative_sampling(drafting: GBVDrafting, predicts, accept_index, acce
     ``q_1``, shared by the K paths), with ``N = K*L + 1``. Outputs: ``predicts [B*N]``, ``accept_index [B, L+1]``
     (root then the accepted nodes of the chosen path), ``accept_token_num [B]`` (accepted drafts).
     ``caps [B]`` (adaptive verification) verifies at most ``caps[b]`` drafts of each path (a prefix of every
-    path is again K sampled paths: exact).
+    path is again K sampled paths: exact). ``broadcast`` (TP > 1) makes every rank keep rank 0's chosen path,
+    as SGLang keeps rank 0's accepted tokens.
 
     Returns:
         The :class:`GBVRound` (chosen paths and their q rows, for TTS).
@@ -354,8 +366,7 @@ def gbv_speculative_sampling(drafting: GBVDrafting, predicts, accept_index, acce
     vocab = target_probs.shape[-1]
     nodes = chain_nodes(retrive_next_token, retrive_next_sibling, k, depth)  # [B, K, L]
     branch = nodes[:, :, 0] - 1  # depth-1 nodes are local 1..K in branch order (organize_draft_results)
-    if bool(((branch < 0) | (branch >= k)).any()):
-        raise ValueError("specadapt GBV: depth-1 nodes are not local nodes 1..K")
+    _check(((branch >= 0) & (branch < k)).all(), "specadapt GBV: depth-1 nodes are not local nodes 1..K")
     if draft_probs.dim() != 3 or draft_probs.shape[1] != depth or draft_probs.shape[2] != vocab:
         raise ValueError(f"specadapt GBV: draft_probs must be [B, L, V] = [{batch}, {depth}, {vocab}], got "
                          f"{tuple(draft_probs.shape)}")
@@ -373,11 +384,14 @@ def gbv_speculative_sampling(drafting: GBVDrafting, predicts, accept_index, acce
         q = q_first.contiguous()
     coins = uniform_samples[:, :depth].float()
     final = uniform_samples_for_final_sampling.reshape(-1).float()
-    if caps is None or bool((caps.to(torch.int64) >= depth).all()):
+    caps_host = None if caps is None else caps.to("cpu", torch.int64)  # adaptive verification syncs anyway
+    if caps_host is None or bool((caps_host >= depth).all()):
         out = kernels.gbv_verify(tokens, target.float(), q.contiguous(), coins, final, impl=impl)
     else:
-        out = _gbv_capped(tokens, target.float(), q, coins, final, caps.to(torch.int64).to(tokens.device), impl)
-    chosen = out.chosen_path.to(torch.int64)
+        out = _gbv_capped(tokens, target.float(), q, coins, final, caps_host, impl)
+    chosen = out.chosen_path.to(torch.int64).contiguous()
+    if broadcast is not None:  # SGLang broadcasts rank 0's accepted tokens after the sampler; keep its path too
+        broadcast(chosen)
     chosen_nodes = path_nodes.gather(1, chosen[:, None, None].expand(-1, 1, depth + 1)).squeeze(1)
     global_ids = retrive_index.to(torch.int64).gather(1, chosen_nodes)
     from .verify import scatter_sglang_outputs

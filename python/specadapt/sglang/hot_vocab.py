@@ -88,9 +88,19 @@ def alloc_memory_pool_around(original, worker, *args, **kwargs):
 
     with get_spec().override(speculative_use_rejection_sampling=False):
         result = original(worker, *args, **kwargs)
+    if not get_spec().speculative_use_rejection_sampling:
+        return result
+    target_vocab = int(worker.target_worker.model_config.vocab_size)
+    draft_rows = int(worker.draft_runner.model_config.vocab_size)  # width of SGLang's draft_probs graph buffers
+    if draft_rows != target_vocab:
+        raise RuntimeError(f"specadapt: the draft's config vocab_size ({draft_rows}) differs from the target's "
+                           f"({target_vocab}); q rows over the target vocabulary would not fit SGLang's buffers")
     hot = getattr(worker, "hot_token_id", None)
     if hot is not None:
-        target_vocab = int(worker.target_worker.model_config.vocab_size)
+        mode = getattr(getattr(worker, "server_args", None), "disaggregation_mode", None)
+        if mode not in (None, "null"):
+            raise RuntimeError(f"specadapt: a hot-vocabulary draft with --disaggregation-mode {mode} is not supported "
+                               "(the prefill-decode handover builds q over draft ids)")
         set_hot_vocab(HotVocab(hot, target_vocab))
         logger.info("specadapt: the draft predicts %d hot tokens of %d; q rows are scattered into the target "
                     "vocabulary for verification", int(hot.numel()), target_vocab)

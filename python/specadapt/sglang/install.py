@@ -134,13 +134,14 @@ def install_worker_hooks(scheduler, config: PluginConfig, asynchronous_tts: bool
     runtime = VerifyRuntime(rule=config.rule, seed=config.seed)
     state = PluginState(config=config, runtime=runtime, algorithm=algorithm)
     worker = scheduler.draft_worker
+    runtime.broadcast = _tp_broadcast()
+    steps = int(_resolved(server_args, "speculative_num_steps") or 1)
     if config.adaptive_verification:
         from .adaptive import SGLangAdaptiveVerification
 
-        steps = int(server_args.speculative_num_steps or 1)
         state.adaptive = SGLangAdaptiveVerification(
-            config, steps, max_requests=int(getattr(server_args, "max_running_requests", None) or 256),
-            broadcast=_tp_broadcast(),
+            config, steps, max_requests=int(_resolved(server_args, "max_running_requests") or 256),
+            broadcast=runtime.broadcast,
         )
     if config.tts:
         from .students import build_student
@@ -151,12 +152,16 @@ def install_worker_hooks(scheduler, config: PluginConfig, asynchronous_tts: bool
                                 tp=_tensor_parallel())
         state.tts = SGLangTTS(student, config, asynchronous=asynchronous_tts)
     if config.verify == "gbv" and algorithm in EAGLE_FAMILY:
-        steps = int(server_args.speculative_num_steps or 1)
+        topk = _resolved(server_args, "speculative_eagle_topk")
+        if topk is not None and int(topk) != config.num_paths:
+            raise RuntimeError(f"specadapt GBV: the server resolved --speculative-eagle-topk {topk}, not "
+                               f"--specadapt-num-paths {config.num_paths}")
+        if worker is None or getattr(worker, "draft_worker", None) is None:
+            raise RuntimeError("specadapt GBV: this scheduler has no EAGLE draft worker (pipeline parallelism?)")
         # rows of the largest captured draft batch (graphs write into this buffer); larger eager batches use an
         # overflow buffer allocated on demand
-        max_bs = int(getattr(server_args, "cuda_graph_max_bs", None) or 64)
-        runtime.gbv = gbv.GBVDrafting.allocate(config.num_paths, steps, _draft_vocab(worker), max_bs,
-                                               getattr(worker, "device", "cpu"))
+        runtime.gbv = gbv.GBVDrafting.allocate(config.num_paths, steps, _draft_vocab(worker),
+                                               _graph_max_batch(server_args), getattr(worker, "device", "cpu"))
         gbv.set_drafting(runtime.gbv)
     set_runtime(runtime)
     _STATE = state
@@ -168,6 +173,30 @@ def install_worker_hooks(scheduler, config: PluginConfig, asynchronous_tts: bool
     logger.info("specadapt: installed %d hook(s) in the scheduler (%s): %s", len(targets), algorithm,
                 ", ".join(t.rsplit(".", 2)[-2] + "." + t.rsplit(".", 1)[-1] for t, _, _ in targets))
     return state
+
+
+def _resolved(server_args, field: str):
+    """A speculative / scheduling setting as SGLang resolved it (resolution hooks declare values on the side and
+    leave ``ServerArgs`` fields untouched); plain attribute lookup for stand-ins."""
+    try:
+        from sglang.srt.arg_groups.overrides import resolution_result
+
+        return resolution_result(server_args, field)
+    except Exception:  # noqa: BLE001 - not a ServerArgs (tests) or another sglang
+        return getattr(server_args, field, None)
+
+
+def _graph_max_batch(server_args) -> int:
+    """The largest decode batch SGLang captures CUDA graphs for (the draft graphs write GBV's q rows)."""
+    try:
+        from sglang.srt.runtime_context import get_exec
+
+        config = get_exec().graph.cuda_graph_config
+        if config is not None and config.decode.max_bs:
+            return int(config.decode.max_bs)
+    except Exception:  # noqa: BLE001 - no published runtime context (tests)
+        pass
+    return int(_resolved(server_args, "cuda_graph_max_bs_decode") or 64)
 
 
 def _draft_vocab(worker) -> int:
@@ -193,7 +222,8 @@ def _tensor_parallel():
     def gather(tensor):
         return list(group.all_gather(tensor.contiguous().unsqueeze(0), dim=0).unbind(0))
 
-    return TensorParallel(rank=int(group.rank_in_group), size=size, gather=gather)
+    return TensorParallel(rank=int(group.rank_in_group), size=size, gather=gather,
+                          broadcast=lambda tensor: group.broadcast(tensor, src=0))
 
 
 def _tp_broadcast():

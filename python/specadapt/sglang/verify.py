@@ -47,6 +47,7 @@ class VerifyRuntime:
         calls: number of verification calls served (for start-up checks and logs).
         gbv: the K-path drafting state (:class:`specadapt.sglang.gbv.GBVDrafting`) when ``rule == "gbv"``.
         last_gbv: the :class:`specadapt.sglang.gbv.GBVRound` of the last GBV call (read by the TTS hook).
+        broadcast: in-place broadcast from TP rank 0, or ``None`` at TP 1.
     """
 
     rule: str = "chain"
@@ -56,6 +57,7 @@ class VerifyRuntime:
     calls: int = 0
     gbv: object = None  # specadapt.sglang.gbv.GBVDrafting with --specadapt-verify gbv
     last_gbv: object = None  # specadapt.sglang.gbv.GBVRound of the last GBV call (chosen paths, their q rows)
+    broadcast: object = None  # in-place broadcast from TP rank 0 (None at TP 1)
     _generators: dict = field(default_factory=dict)
 
     def take_caps(self) -> torch.Tensor | None:
@@ -151,7 +153,7 @@ def chain_speculative_sampling(
         runtime.last_gbv = gbv_speculative_sampling(
             runtime.gbv, predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
             retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling, target_probs, draft_probs,
-            impl=runtime.impl, caps=runtime.take_caps())
+            impl=runtime.impl, caps=runtime.take_caps(), broadcast=runtime.broadcast)
         runtime.calls += 1
         return
     batch, slots = candidates.shape

@@ -186,6 +186,9 @@ class StudentWeights:
         from .sharding import shard
 
         for name in self.trained:
+            if self.tp is not None and self.tp.broadcast is not None:  # every rank serves rank 0's replica
+                for key in ((("lora_a__", "lora_b__") if name in self.adapted else ("",))):
+                    self.tp.broadcast(getattr(self.module, key + _key(name)).data)
             if name in self.adapted:
                 full = self.merged(name)
             elif self.tp is not None and self.layouts[name].kind != "replicated":

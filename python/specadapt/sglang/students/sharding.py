@@ -31,11 +31,14 @@ class TensorParallel:
     Attributes:
         rank, size: rank in the group and group size.
         gather: ``tensor -> [tensor of rank 0, ..., of rank size-1]`` (an all-gather of same-shaped tensors).
+        broadcast: in-place broadcast from rank 0 (publishes: every rank serves rank 0's trained replica, so
+            floating-point differences between the ranks' replicas never mix in one served model), or ``None``.
     """
 
     rank: int
     size: int
     gather: Callable[[torch.Tensor], list]
+    broadcast: Callable[[torch.Tensor], object] | None = None
 
 
 @dataclass(frozen=True)
