@@ -323,6 +323,13 @@ def test_sampler_and_extend_hooks_hand_sglang_target_vocabulary_q_rows():
             SimpleNamespace(sampling_info=SimpleNamespace(top_ks=None, sampling_seed=None), seq_lens=torch.ones(3)))
         assert out.draft_probs.shape == (3, 10) and torch.allclose(out.draft_probs[:, [5, 1, 8, 2]], q1)
         assert out.topk_index.shape == (3, 2) and (out.topk_index < 4).all() and out.topk_p.shape == (3, 2)
+        # an all-greedy batch is verified as SGLang's greedy beam tree: the usual top-K start, real scores
+        extend = SimpleNamespace(draft_probs=q1, topk_p=None, topk_index=None)
+        out = gbv.draft_extend_for_prefill_around(
+            lambda worker, batch: extend, None,
+            SimpleNamespace(sampling_info=SimpleNamespace(is_all_greedy=True), seq_lens=torch.ones(3)))
+        top = q1.topk(2, dim=-1)
+        assert torch.equal(out.topk_index, top.indices) and torch.allclose(out.topk_p, top.values)
     finally:
         gbv.set_drafting(None)
         hot_vocab.set_hot_vocab(None)

@@ -200,10 +200,15 @@ def _finish_first(draft_input, sampling_info, positions) -> None:
         return
     drafting = _DRAFTING
     if drafting is not None:
-        top_ks = getattr(sampling_info, "top_ks", None)
-        seeds = getattr(sampling_info, "sampling_seed", None)
-        topk_p, topk_index = first_draft_samples(hot_vocab.to_draft(probs).float(), drafting.num_paths, top_ks,
-                                                 seeds, positions, sampler=drafting.sampler)
+        draft_probs = hot_vocab.to_draft(probs).float()
+        if getattr(sampling_info, "is_all_greedy", False):
+            # verified as SGLang's greedy beam tree (the draft graph's greedy variant): its usual top-K start
+            topk_p, topk_index = draft_probs.topk(drafting.num_paths, dim=-1)
+        else:
+            topk_p, topk_index = first_draft_samples(draft_probs, drafting.num_paths,
+                                                     getattr(sampling_info, "top_ks", None),
+                                                     getattr(sampling_info, "sampling_seed", None), positions,
+                                                     sampler=drafting.sampler)
         draft_input.topk_p, draft_input.topk_index = topk_p, topk_index  # draft ids: SGLang maps them itself
     draft_input.draft_probs = hot_vocab.to_target(probs)
 
