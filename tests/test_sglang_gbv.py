@@ -395,3 +395,22 @@ def test_tts_learns_from_the_chosen_gbv_path():
             assert committed == base["candidates"][i, path[: ex.accepted + 1]].tolist()
     finally:
         install_module.reset_state()
+
+
+def test_greedy_rows_with_underflowed_q_verify_to_the_greedy_token():
+    """A greedy request may propose tokens with q = 0 (top-K start, float32 underflow); its target law is
+    one-hot, so GBV must return the greedy token instead of rejecting the round."""
+    drafting = gbv.GBVDrafting.allocate(2, 1, 4, 1, "cpu")
+    index, nxt, sib = _tree(1, 2, 1)
+    candidates = torch.tensor([[3, 0, 1]])
+    target = torch.zeros(1, 3, 4)
+    target[0, 0, 1] = 1.0  # greedy: token 1
+    target[0, 1:, 2] = 1.0
+    draft_probs = torch.tensor([[[1.0, 0.0, 0.0, 0.0]]])  # q(1) = 0
+    predicts = torch.zeros(3, dtype=torch.int32)
+    accept_index = torch.full((1, 2), -1, dtype=torch.int32)
+    accept_num = torch.zeros(1, dtype=torch.int32)
+    rnd = gbv.gbv_speculative_sampling(drafting, predicts, accept_index, accept_num, candidates, index, nxt, sib,
+                                       torch.rand(1, 3), torch.rand(1), target, draft_probs, impl="reference")
+    assert int(rnd.out.output_tokens[0, 0]) == 1
+    assert int(accept_num[0]) == 1 and int(predicts[accept_index[0, 1]]) == 2  # path 1 accepted, then token 2

@@ -387,6 +387,11 @@ def gbv_speculative_sampling(drafting: GBVDrafting, predicts, accept_index, acce
         q = torch.cat([q_first, deeper.to(q_first.dtype)], dim=2)
     else:
         q = q_first.contiguous()
+    # a greedy request's drafts need not be samples of q (its target law is one-hot, so any proposal is exact),
+    # and a top-K draft can underflow to q = 0; keep the q of every token drafted at a depth positive in every
+    # path's row of that depth (paths with a common prefix share rows; a sampled token has q > 0 already)
+    drafted = tokens[:, :, 1:].transpose(1, 2)[:, None].expand(batch, k, depth, k)  # [B, K, L, K tokens]
+    q = q.contiguous().scatter(-1, drafted, q.gather(-1, drafted).clamp_min(torch.finfo(q.dtype).tiny))
     coins = uniform_samples[:, :depth].float()
     final = uniform_samples_for_final_sampling.reshape(-1).float()
     caps_host = None if caps is None else caps.to("cpu", torch.int64)  # adaptive verification syncs anyway
