@@ -499,6 +499,96 @@ def tp_rank(rank, port):
     return out
 
 
+def sglang_forwards():
+    """The TTS students against SGLang's own model forwards, run on CPU through SGLang's torch_native attention
+    backend (its attention-unittest kit's mock model runner, an EXTEND batch of two requests from position 0):
+    LlamaForCausalLMEagle3 plain / with norm_before_fc / with fc_norm, and the dense STANDALONE families."""
+    import torch
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    from specadapt.sglang.students import build_student
+
+    _sglang_models_on_cpu()
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+    from sglang.srt.models.llama import LlamaForCausalLM as SgLlama
+    from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
+    from sglang.srt.models.qwen2 import Qwen2ForCausalLM as SgQwen2
+    from sglang.srt.models.qwen3 import Qwen3ForCausalLM as SgQwen3
+    from sglang.test.kits.attention_unittest.attention_methods import dense_attention as kit
+
+    hidden, heads, kv_heads, head_dim, vocab = 32, 4, 2, 8, 64
+    lengths = (5, 3)
+
+    def run(model, layers, features=None):
+        case = kit.DenseAttentionCase(name="tts", backend="torch_native", forward_mode=ForwardMode.EXTEND,
+                                      num_heads=heads, num_kv_heads=kv_heads, page_size=1, prefix_lens=(0, 0),
+                                      extend_lens=lengths)
+        config = kit.TinyModelConfig(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, hidden_size=hidden,
+                                     context_len=64, sliding_window_size=None)
+        runner = kit.MockModelRunner(case=case, model_config=config, dtype=torch.float32, device="cpu",
+                                     max_context_len=64, head_dim=head_dim)
+        runner.token_to_kv_pool = MHATokenToKVPool(size=256, page_size=1, dtype=torch.float32, head_num=kv_heads,
+                                                   head_dim=head_dim, layer_num=layers, device="cpu",
+                                                   enable_memory_saver=False, enable_alt_stream=False)
+        backend = ATTENTION_BACKENDS["torch_native"](runner)
+        batch = kit._make_forward_batch(case, runner, max_context_len=64, device="cpu")
+        batch.input_ids = torch.randint(vocab, (sum(lengths),), generator=torch.Generator().manual_seed(3))
+        batch.mm_input_embeds = None
+        batch.contains_mm_inputs = lambda: False
+        batch.spec_info = SimpleNamespace(hidden_states=features, capture_hidden_mode=CaptureHiddenMode.NULL)
+        with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend)):
+            backend.init_forward_metadata(batch)
+            out = model.model(batch.input_ids, batch.positions, batch)
+        hidden_states = out[0] if isinstance(out, tuple) else out
+        return torch.nn.functional.linear(hidden_states, model.lm_head.weight), batch.input_ids
+
+    def student_logits(model, tokens, features=None):
+        student = build_student(model, model.config)
+        rows, start = [], 0
+        with torch.no_grad():
+            for n in lengths:
+                f = None if features is None else features[start:start + n][None]
+                rows.append(student.logits(student.module, f, tokens[start:start + n][None],
+                                           torch.ones(1, n, dtype=torch.bool))[0])
+                start += n
+        return torch.cat(rows)
+
+    def randomise(model):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+
+    out = {}
+    for variant, extra in (("plain", {}), ("norm_before_fc", {"norm_before_fc": True}), ("fc_norm", {"fc_norm": True})):
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=48, num_hidden_layers=1,
+                             num_attention_heads=heads, num_key_value_heads=kv_heads, draft_vocab_size=vocab,
+                             max_position_embeddings=64, **extra)
+        model = LlamaForCausalLMEagle3(config)
+        randomise(model)
+        features = torch.randn(sum(lengths), 3 * hidden)
+        ref, tokens = run(model, 1, features)
+        ours = student_logits(model, tokens, features)
+        out[f"eagle3_{variant}"] = {"max_abs_diff": float((ours - ref[..., : ours.shape[-1]]).abs().max()),
+                                    "params": sorted(n for n, _ in model.named_parameters() if "norm" in n and "layers" not in n)}
+    for family, (config_cls, cls, extra) in {"llama": (LlamaConfig, SgLlama, {}),
+                                             "qwen2": (Qwen2Config, SgQwen2, {}),
+                                             "qwen3": (Qwen3Config, SgQwen3, {"head_dim": head_dim})}.items():
+        torch.manual_seed(1)
+        config = config_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=48, num_hidden_layers=2,
+                            num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=64,
+                            tie_word_embeddings=False, **extra)
+        model = cls(config)
+        randomise(model)
+        ref, tokens = run(model, 2)
+        ours = student_logits(model, tokens)
+        out[family] = {"max_abs_diff": float((ours - ref[..., :vocab]).abs().max())}
+    return out
+
+
 if __name__ == "__main__":
     name, *args = sys.argv[1:]
     if name == "triton_compare":

@@ -59,3 +59,20 @@ def test_students_at_tensor_parallelism_two(tp_students, family):
 def test_eagle3_student_at_tensor_parallelism_two(tp_students):
     for got in tp_students["ranks"]:
         assert got["eagle3_max_abs_diff"] < 1e-4
+
+
+@pytest.fixture(scope="module")
+def sglang_forwards():
+    return _probe("sglang_forwards", env={"SPECADAPT_NO_CUDA": "1"})
+
+
+@pytest.mark.parametrize("model", ["eagle3_plain", "eagle3_norm_before_fc", "eagle3_fc_norm", "llama", "qwen2",
+                                   "qwen3"])
+def test_students_equal_sglangs_own_forward(sglang_forwards, model):
+    """SGLang's real draft forwards, run on CPU through its torch_native attention backend: the students compute
+    the same logits (what TTS trains is what serving runs)."""
+    assert sglang_forwards[model]["max_abs_diff"] < 1e-4, sglang_forwards[model]
+    if model == "eagle3_norm_before_fc":
+        assert "model.input_norm.weight" in sglang_forwards[model]["params"]
+    if model == "eagle3_fc_norm":
+        assert "model.fc_norm.2.weight" in sglang_forwards[model]["params"]

@@ -1,6 +1,7 @@
 """Student of SGLang's ``LlamaForCausalLMEagle3`` draft (EAGLE-3, Li et al. 2025), any tensor parallelism.
 
-Fused target features ``fc(concat of the aux hidden states)``, one decoder layer whose attention reads
+Fused target features ``fc(concat of the aux hidden states)`` (optionally normalised first: ``norm_before_fc``,
+per-feature ``fc_norm``), one decoder layer whose attention reads
 ``[input_layernorm(embed(x)), hidden_norm(h)]`` (width 2H) with the un-normalised ``h`` as residual, final norm
 and the draft's own LM head over the hot vocabulary. Teacher-forced: every position sees the target's features
 (the first drafting step's regime). The target's embedding (shared with the target) is never trained.
@@ -57,6 +58,15 @@ class Eagle3LlamaStudent:
             raise ValueError(f"TTS: the draft has no parameter(s) {missing}; not an EAGLE-3 Llama draft")
         if any(n.startswith("model.layers.1.") for n in named):
             raise ValueError("TTS: EAGLE-3 drafts with more than one decoder layer are not supported yet")
+        # optional pieces of SGLang's LlamaForCausalLMEagle3: a norm over the concatenated features before fc
+        # (norm_before_fc), per-feature norms (fc_norm / use_aux_norm), an fc bias
+        self.optional = tuple(n for n in named if n == "model.input_norm.weight" or n == "model.fc.bias"
+                              or n.startswith("model.fc_norm."))
+        unknown = sorted(set(named) - set(self.REQUIRED) - {"model.embed_tokens.weight"} - set(self.optional))
+        if unknown:
+            raise ValueError(f"TTS: the EAGLE-3 student does not know the draft parameter(s) {unknown[:5]}")
+        self.fc_norms = sorted((n for n in self.optional if n.startswith("model.fc_norm.")),
+                               key=lambda n: int(n.split(".")[2]))
         self.config = config
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
@@ -73,8 +83,8 @@ class Eagle3LlamaStudent:
         layouts = {pre + "self_attn.qkv_proj.weight": qkv, pre + "self_attn.o_proj.weight": Layout("cols"),
                    pre + "mlp.gate_up_proj.weight": Layout("merged"), pre + "mlp.down_proj.weight": Layout("cols"),
                    "model.embed_tokens.weight": Layout("rows"), "lm_head.weight": Layout("rows")}
-        self.weights = StudentWeights(named, self.REQUIRED + ("model.embed_tokens.weight",), self.ADAPTED, params,
-                                      lora_rank, tp=tp, layouts=layouts)
+        self.weights = StudentWeights(named, self.REQUIRED + ("model.embed_tokens.weight",) + self.optional,
+                                      self.ADAPTED, params, lora_rank, tp=tp, layouts=layouts)
         self.module = self.weights.module
         hot = getattr(draft_model, "hot_token_id", None)
         self.draft_vocab = None if hot is None else torch.as_tensor(hot).to(torch.int64).reshape(-1)
@@ -102,7 +112,12 @@ class Eagle3LlamaStudent:
         embeds = F.embedding(tokens, p("model.embed_tokens.weight")).to(dtype)
         h = features.to(dtype)
         if h.shape[-1] != embeds.shape[-1]:
-            h = w.linear(module, "model.fc.weight", h)
+            if "model.input_norm.weight" in self.optional:
+                h = rms_norm(h, p("model.input_norm.weight"), self.eps)
+            if self.fc_norms:
+                chunks = h.chunk(len(self.fc_norms), dim=-1)
+                h = torch.cat([rms_norm(c, p(n), self.eps) for c, n in zip(chunks, self.fc_norms)], dim=-1)
+            h = w.linear(module, "model.fc.weight", h, "model.fc.bias" if "model.fc.bias" in self.optional else None)
         residual = h
         x = torch.cat([rms_norm(embeds, p("model.layers.0.input_layernorm.weight"), self.eps),
                        rms_norm(h, p("model.layers.0.hidden_norm.weight"), self.eps)], dim=-1)
