@@ -142,7 +142,6 @@ class SGLangTTS:
         batch = len(rids)
         tokens = tokens.reshape(batch, -1)
         slots = tokens.shape[1]
-        vocab_ids = self.student.draft_vocab
         logits = target_logits.reshape(batch, slots, -1).float()
         temps = temperatures.reshape(batch, 1, 1).float().to(logits.device)
         temps = torch.where(temps > 0, temps, torch.ones_like(temps))
