@@ -589,6 +589,80 @@ def sglang_forwards():
     return out
 
 
+def dflash_forward():
+    """The DFLASH student against SGLang's own ``DFlashDraftModel`` forward on CPU: context K/V materialised with
+    the model's own ``project_target_hidden`` / ``kv_proj_only`` / ``apply_k_norm`` / ``apply_k_rope`` (what
+    the worker does), then the block ``[bonus, mask, ...]`` as an EXTEND batch over that prefix through the
+    torch_native backend (ENCODER_ONLY: bidirectional in the block), logits through a target LM head."""
+    import torch
+    from transformers import Qwen3Config
+
+    from specadapt.sglang.students.dflash import DFlashStudent
+
+    _sglang_models_on_cpu()
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+    from sglang.srt.models.dflash import DFlashDraftModel
+    from sglang.test.kits.attention_unittest.attention_methods import dense_attention as kit
+
+    hidden, heads, kv_heads, head_dim, vocab, block, mask_id = 32, 4, 2, 8, 64, 4, 5
+    contexts = (6, 3)
+    config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                         max_position_embeddings=128)
+    config.dflash_config = {"target_layer_ids": [1, 3], "block_size": block, "mask_token_id": mask_id}
+    config.architectures = ["DFlashDraftModel"]
+    torch.manual_seed(0)
+    model = DFlashDraftModel(config)
+    with torch.no_grad():
+        for name, prm in model.named_parameters():
+            prm.copy_(1 + 0.1 * torch.randn_like(prm) if "norm" in name else 0.2 * torch.randn_like(prm))
+    embed = torch.randn(vocab, hidden) * 0.5
+    lm_head = torch.randn(vocab, hidden) * 0.3
+    features = [torch.randn(c, 2 * hidden) for c in contexts]
+    bonus = torch.tensor([7, 11])
+
+    case = kit.DenseAttentionCase(name="dflash", backend="torch_native", forward_mode=ForwardMode.EXTEND,
+                                  num_heads=heads, num_kv_heads=kv_heads, page_size=1, prefix_lens=contexts,
+                                  extend_lens=(block, block))
+    tiny = kit.TinyModelConfig(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, hidden_size=hidden,
+                               context_len=64, sliding_window_size=None)
+    runner = kit.MockModelRunner(case=case, model_config=tiny, dtype=torch.float32, device="cpu",
+                                 max_context_len=64, head_dim=head_dim)
+    runner.token_to_kv_pool = MHATokenToKVPool(size=256, page_size=1, dtype=torch.float32, head_num=kv_heads,
+                                               head_dim=head_dim, layer_num=2, device="cpu",
+                                               enable_memory_saver=False, enable_alt_stream=False)
+    backend = ATTENTION_BACKENDS["torch_native"](runner)
+    batch = kit._make_forward_batch(case, runner, max_context_len=64, device="cpu")
+    with torch.no_grad():
+        for layer in model.layers:  # the worker's context-KV materialisation, request by request
+            attn = layer.self_attn
+            for r, (c, f) in enumerate(zip(contexts, features)):
+                ctx = model.prepare_context_hidden_for_kv(layer, model.project_target_hidden(f))
+                k, v = attn.kv_proj_only(ctx)
+                k = attn.apply_k_rope(torch.arange(c), attn.apply_k_norm(k))
+                locs = runner.req_to_token_pool.req_to_token[r, :c].to(torch.int64)
+                runner.token_to_kv_pool.set_kv_buffer(attn.attn, locs, k.view(-1, kv_heads, head_dim),
+                                                      v.view(-1, kv_heads, head_dim))
+        block_ids = torch.stack([torch.tensor([int(b)] + [mask_id] * (block - 1)) for b in bonus])
+        with forward_context(ForwardContext(attn_backend=backend)):
+            backend.init_forward_metadata(batch)
+            out = model(block_ids.reshape(-1), batch.positions, batch,
+                        input_embeds=torch.nn.functional.embedding(block_ids.reshape(-1), embed))
+        ref = torch.nn.functional.linear(out.hidden_states, lm_head).reshape(2, block, vocab)
+        student = DFlashStudent(model, config, embed, lm_head)
+        c_max = max(contexts)
+        feats = torch.zeros(2, c_max, 2 * hidden)
+        mask = torch.zeros(2, c_max, dtype=torch.bool)
+        for r, (c, f) in enumerate(zip(contexts, features)):
+            feats[r, :c], mask[r, :c] = f, True
+        ours = student.block_logits(student.module, feats, mask, block_ids)
+    return {"max_abs_diff": float((ours - ref).abs().max()), "ref_scale": float(ref.abs().max()),
+            "attn_types": [str(layer.self_attn.attn.attn_type) for layer in model.layers]}
+
+
 if __name__ == "__main__":
     name, *args = sys.argv[1:]
     if name == "triton_compare":
