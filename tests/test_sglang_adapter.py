@@ -86,7 +86,7 @@ def test_env_config_inline_file_and_errors(tmp_path):
     (PluginConfig(tts=True), _server(speculative_algorithm=None), "need speculative decoding"),
     (PluginConfig(tts=True), _server(speculative_draft_model_path=None), "--speculative-draft-model-path"),
     (PluginConfig(tts=True), _server(speculative_algorithm="NGRAM"), "has none"),
-    (PluginConfig(tts=True), _server(speculative_algorithm="DFLASH"), "has none"),
+    (PluginConfig(tts=True), _server(speculative_algorithm="NGRAM"), "has none"),
     (PluginConfig(verify="block"), _server(speculative_algorithm="NGRAM"), "cannot replace"),
     (PluginConfig(verify="block"), _server(device="cpu"), "CUDA only"),
     (PluginConfig(adaptive_verification=True), _server(speculative_algorithm="DFLASH"), "q rows"),
@@ -104,6 +104,7 @@ def test_valid_combinations_pass():
     validate_for_server(PluginConfig(), _server(speculative_algorithm=None))  # plugin off: nothing to check
     validate_for_server(PluginConfig(tts=True, verify="block", adaptive_verification=True), _server())
     validate_for_server(PluginConfig(verify="block"), _server(speculative_algorithm="DFLASH"))
+    validate_for_server(PluginConfig(verify="block", tts=True), _server(speculative_algorithm="DFLASH"))
     validate_for_server(PluginConfig(verify="chain"), _server(speculative_algorithm="STANDALONE"))
     validate_for_server(PluginConfig(verify="gbv", num_paths=3), _server(speculative_eagle_topk=3))
 

@@ -89,7 +89,6 @@ def test_no_flags_means_plugin_off(plugins_loaded, tiny_models):
 @pytest.mark.parametrize("extra, algorithm, match", [
     (["--tts"], None, "need speculative decoding"),
     (["--tts"], "NGRAM", "has none"),
-    (["--tts"], "DFLASH", "has none"),
     (["--specadapt-verify", "gbv", "--speculative-num-steps", "4", "--speculative-num-draft-tokens", "5"], "EAGLE3",
      "--speculative-num-draft-tokens 13"),
     (["--specadapt-verify", "gbv", "--speculative-eagle-topk", "2"], "EAGLE3", "speculative-eagle-topk 3"),

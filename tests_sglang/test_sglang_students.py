@@ -76,3 +76,24 @@ def test_students_equal_sglangs_own_forward(sglang_forwards, model):
         assert "model.input_norm.weight" in sglang_forwards[model]["params"]
     if model == "eagle3_fc_norm":
         assert "model.fc_norm.2.weight" in sglang_forwards[model]["params"]
+
+
+
+def test_dflash_student_equals_sglangs_own_dflash_forward():
+    """SGLang's DFlashDraftModel on CPU: context K/V materialised with the model's own methods (as the worker
+    does), the block [bonus, mask, ...] through torch_native's ENCODER_ONLY attention, a target LM head."""
+    got = _probe("dflash_forward", env={"SPECADAPT_NO_CUDA": "1"})
+    assert got["attn_types"] == ["AttentionType.ENCODER_ONLY"] * 2
+    assert got["max_abs_diff"] < 1e-4 * max(1.0, got["ref_scale"]), got
+
+
+def test_dflash_worker_holds_what_the_tts_hooks_use():
+    import inspect
+
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+    params = inspect.signature(DFlashWorkerV2._append_target_hidden_to_draft_kv_by_loc).parameters
+    assert {"target_hidden", "commit_lens", "extend_lens"} <= {n for n, p in params.items() if p.kind == p.KEYWORD_ONLY}
+    assert callable(getattr(DFlashWorkerV2, "_init_fused_kv_helper", None))  # rebuilt after publishes
+    source = inspect.getsource(DFlashWorkerV2)
+    assert "self._mask_token_id" in source and "self.draft_model = " in source

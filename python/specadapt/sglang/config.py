@@ -38,9 +38,9 @@ _RULE_ALGORITHMS = {
     "gbv": ("EAGLE", "EAGLE3", "STANDALONE"),
 }
 #: Algorithms whose draft TTS can train: the plugin has differentiable forwards for SGLang's EAGLE-3 style Llama
-#: draft and for dense Llama / Mistral / Qwen2 / Qwen3 STANDALONE drafts (:mod:`specadapt.sglang.students`);
-#: DFLASH drafts have none yet.
-_TTS_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE")
+#: draft, dense Llama / Mistral / Qwen2 / Qwen3 STANDALONE drafts and the plain DFLASH draft
+#: (:mod:`specadapt.sglang.students`).
+_TTS_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "DFLASH")
 #: Adaptive verification needs the draft's q rows (EAGLE-family drafts under rejection sampling); a DFLASH
 #: block is deterministic, so its q is a point mass and carries no confidence signal.
 _AV_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE")

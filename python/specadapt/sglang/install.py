@@ -4,7 +4,8 @@ before CUDA graphs are captured (from the AFTER hook on ``Scheduler.maybe_init_d
 | feature | algorithms | hook |
 |---|---|---|
 | ``--specadapt-verify chain/block``, ``--adaptive-verification`` | EAGLE, EAGLE3, STANDALONE | REPLACE ``reject_sampling.chain_speculative_sampling_triton`` |
-| same | DFLASH | AROUND ``DFlashWorkerV2._accept_block`` |
+| same, ``--tts`` | DFLASH | AROUND ``DFlashWorkerV2._accept_block`` (rule; TTS example) |
+| ``--tts`` | DFLASH | AROUND ``DFlashWorkerV2.forward_batch_generation`` (round boundary) and ``_append_target_hidden_to_draft_kv_by_loc`` (context) |
 | ``--adaptive-verification``, ``--tts`` | EAGLE family | AROUND ``eagle_utils.eagle_sample`` (caps, snapshots, outcomes) |
 | ``--tts`` | EAGLE family | AROUND ``EAGLEWorkerV2.forward_batch_generation`` (round boundary, publish) |
 | ``--tts`` | EAGLE family | AFTER ``BaseSpecWorker.note_request_finished`` (drop history) |
@@ -40,9 +41,11 @@ DRAFT_SAMPLER = "sglang.srt.speculative.spec_utils.sample_draft_proposal"
 EXTEND_PREFILL = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_prefill"
 EXTEND_DECODE = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_decode"
 ALLOC_POOL = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.alloc_memory_pool"
+DFLASH_FORWARD = "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2.forward_batch_generation"
+DFLASH_APPEND = "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2._append_target_hidden_to_draft_kv_by_loc"
 #: Every target the plugin may hook in a scheduler process (tests check each exists in the installed sglang).
 HOOK_TARGETS = (CHAIN_SAMPLER, DFLASH_ACCEPT, EAGLE_SAMPLE, EAGLE_FORWARD, REQUEST_FINISHED, DRAFT_WORKER_INIT,
-                DRAFT_SAMPLER, EXTEND_PREFILL, EXTEND_DECODE, ALLOC_POOL)
+                DRAFT_SAMPLER, EXTEND_PREFILL, EXTEND_DECODE, ALLOC_POOL, DFLASH_FORWARD, DFLASH_APPEND)
 EAGLE_FAMILY = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
 
 
@@ -53,8 +56,9 @@ class PluginState:
     config: PluginConfig
     runtime: VerifyRuntime
     adaptive: object = None  # SGLangAdaptiveVerification
-    tts: object = None  # SGLangTTS
+    tts: object = None  # SGLangTTS (SGLangDFlashTTS for DFLASH)
     algorithm: str = ""
+    rids: list = None  # request ids of the batch in flight (set at the worker's forward_batch_generation)
 
 
 _STATE: PluginState | None = None
@@ -70,11 +74,14 @@ def plan_targets(config: PluginConfig, algorithm: str) -> list[tuple[str, str, o
     algorithm = algorithm.upper()
     targets = []
     eagle = algorithm in EAGLE_FAMILY
-    if config.replaces_verification:
-        if eagle:
-            targets.append((CHAIN_SAMPLER, "REPLACE", chain_speculative_sampling))
-        elif algorithm == "DFLASH":
-            targets.append((DFLASH_ACCEPT, "AROUND", dflash_accept_block))
+    if config.replaces_verification and eagle:
+        targets.append((CHAIN_SAMPLER, "REPLACE", chain_speculative_sampling))
+    if algorithm == "DFLASH" and (config.replaces_verification or config.tts):
+        targets.append((DFLASH_ACCEPT, "AROUND", dflash_accept_around))
+    if algorithm == "DFLASH" and config.tts:
+        targets.append((DFLASH_FORWARD, "AROUND", forward_batch_generation_around))
+        targets.append((DFLASH_APPEND, "AROUND", dflash_append_around))
+        targets.append((REQUEST_FINISHED, "AFTER", request_finished_after))
     if eagle and (config.adaptive_verification or config.tts):
         targets.append((EAGLE_SAMPLE, "AROUND", eagle_sample_around))
     if eagle and config.tts:
@@ -143,7 +150,9 @@ def install_worker_hooks(scheduler, config: PluginConfig, asynchronous_tts: bool
             config, steps, max_requests=int(_resolved(server_args, "max_running_requests") or 256),
             broadcast=runtime.broadcast,
         )
-    if config.tts:
+    if config.tts and algorithm == "DFLASH":
+        state.tts = _dflash_tts(worker, config, asynchronous_tts)
+    elif config.tts:
         from .students import build_student
         from .tts import SGLangTTS
 
@@ -173,6 +182,26 @@ def install_worker_hooks(scheduler, config: PluginConfig, asynchronous_tts: bool
     logger.info("specadapt: installed %d hook(s) in the scheduler (%s): %s", len(targets), algorithm,
                 ", ".join(t.rsplit(".", 2)[-2] + "." + t.rsplit(".", 1)[-1] for t, _, _ in targets))
     return state
+
+
+def _dflash_tts(worker, config: PluginConfig, asynchronous: bool):
+    """TTS of a DFLASH worker: the student over its draft and the target's (shared) embedding and LM head."""
+    from .students.dflash import DFlashStudent
+    from .tts_dflash import SGLangDFlashTTS
+
+    draft_model = worker.draft_model
+    target = worker.target_worker.model_runner.model
+    embed = target.get_input_embeddings().weight
+    head = target.lm_head.weight
+
+    def rebuild_fused_kv():  # SGLang's fused context-KV helper keeps copies of the K/V weights and K norms
+        if getattr(worker, "_use_fused_kv_materialize", False) or getattr(worker, "_fused_kv_helper", None):
+            worker._use_fused_kv_materialize = True
+            worker._init_fused_kv_helper()
+
+    student = DFlashStudent(draft_model, draft_model.config, embed, head, config.tts_params, config.tts_lora_rank,
+                            on_refresh=rebuild_fused_kv)
+    return SGLangDFlashTTS(student, config, worker._mask_token_id, asynchronous=asynchronous)
 
 
 def _resolved(server_args, field: str):
@@ -284,14 +313,48 @@ def eagle_sample_around(original, verify_input, batch, logits_output, *args, **k
 
 
 def forward_batch_generation_around(original, worker, batch, *args, **kwargs):
-    """AROUND ``EAGLEWorkerV2.forward_batch_generation``: the round boundary of TTS for decode batches (on the
-    current = forward stream, before this round's draft replay)."""
+    """AROUND ``EAGLEWorkerV2`` / ``DFlashWorkerV2.forward_batch_generation``: the round boundary of TTS for
+    decode batches (on the current = forward stream, before this round's draft replay), and the batch's request
+    ids for the hooks inside the call."""
     state = _STATE
     mode = getattr(batch, "forward_mode", None)
     is_decode = mode is not None and not (mode.is_extend() or getattr(batch, "is_extend_in_batch", False))
     if state is not None and state.tts is not None and is_decode and not _capturing():
         state.tts.on_round_start()
+    if state is not None:
+        state.rids = [req.rid for req in getattr(batch, "reqs", None) or []]
     return original(worker, batch, *args, **kwargs)
+
+
+def dflash_accept_around(original, worker, *args, **kwargs):
+    """AROUND ``DFlashWorkerV2._accept_block``: the specadapt rule (when one replaces SGLang's), then the TTS
+    example of the round from the target's verify logits."""
+    state = _STATE
+    if state is not None and state.config.replaces_verification:
+        result = dflash_accept_block(original, worker, *args, **kwargs)
+    else:
+        result = original(worker, *args, **kwargs)
+    if state is not None and state.tts is not None and kwargs.get("candidates") is not None:
+        info = kwargs.get("sampling_info")
+        candidates = kwargs["candidates"]
+        temps = getattr(info, "temperatures", None)
+        if temps is None:
+            temps = torch.ones(candidates.shape[0])
+        state.tts.record_block(state.rids[: candidates.shape[0]], candidates, kwargs.get("next_token_logits"),
+                               temps, result[0])
+    return result
+
+
+def dflash_append_around(original, worker, *args, **kwargs):
+    """AROUND ``DFlashWorkerV2._append_target_hidden_to_draft_kv_by_loc``: the committed target features become
+    the requests' TTS context, as they become the draft's KV."""
+    result = original(worker, *args, **kwargs)
+    state = _STATE
+    hidden = kwargs.get("target_hidden")
+    if state is not None and state.tts is not None and hidden is not None and hidden.numel():
+        state.tts.append_context(state.rids, hidden, commit_lens=kwargs.get("commit_lens"),
+                                 extend_lens=kwargs.get("extend_lens"))
+    return result
 
 
 def request_finished_after(result, worker, rid, *args, **kwargs):
