@@ -109,8 +109,10 @@ def test_context_and_block_examples_follow_the_worker_calls():
     ex_a, ex_b = tts._pending
     assert ex_a.block.tolist() == [7, MASK, MASK, MASK] and ex_b.block.tolist() == [5, MASK, MASK, MASK]
     assert torch.equal(ex_a.features, prompt[:3]) and ex_a.accepted == 2 and ex_b.accepted == 0
-    # output j predicts the block's token j: teacher = the target's verify row j - 1 (temperature applied)
-    assert torch.allclose(ex_b.teacher, torch.softmax(logits.reshape(2, 4, VOCAB)[1, :3] / 0.5, -1), atol=1e-6)
+    # output j predicts the block's token j: teacher = the target's verify row j - 1 (temperature applied),
+    # kept up to the first rejection plus one (tau + 1 rows)
+    assert torch.allclose(ex_b.teacher, torch.softmax(logits.reshape(2, 4, VOCAB)[1, :1] / 0.5, -1), atol=1e-6)
+    assert torch.allclose(ex_a.teacher, torch.softmax(logits.reshape(2, 4, VOCAB)[0, :3], -1), atol=1e-6)
     block_rows = torch.randn(8, 2 * HIDDEN)
     tts.append_context(["a", "b"], block_rows, commit_lens=torch.tensor([3, 1]))  # decode: committed rows
     assert len(tts.history["a"]) == 6 and torch.equal(tts.history["a"][-1], block_rows[2])
@@ -182,3 +184,48 @@ def test_dflash_targets():
     assert names(PluginConfig(verify="block")) == ["_accept_block"]
     assert names(PluginConfig(tts=True)) == ["_accept_block", "forward_batch_generation",
                                              "_append_target_hidden_to_draft_kv_by_loc", "note_request_finished"]
+
+
+def test_publish_refreshes_sglangs_fused_context_kv_copies_in_place():
+    """SGLang's FusedKVMaterializeHelper keeps copies: flat_kv_weight_t = stack of every layer's K/V rows of
+    qkv_proj, reshaped [layers * 2kv, in] and transposed; k_norm_weights = stack of the K norms."""
+    from specadapt.sglang.install import refresh_fused_kv
+
+    draft = _draft()
+    q_size, kv_size = HEADS * D, KV * D
+    layers = [getattr(draft.layers, str(i)) for i in range(2)]
+    for layer in layers:
+        layer.self_attn.q_size, layer.self_attn.kv_size = q_size, kv_size
+
+    def build():
+        kv = [layer.self_attn.qkv_proj.weight[q_size:q_size + 2 * kv_size] for layer in layers]
+        return (torch.stack(kv).reshape(2 * 2 * kv_size, -1).transpose(0, 1).contiguous(),
+                torch.stack([layer.self_attn.k_norm.weight for layer in layers]).contiguous())
+
+    flat, norms = build()
+    helper = SimpleNamespace(flat_kv_weight_t=flat, k_norm_weights=norms)
+    worker = SimpleNamespace(_fused_kv_helper=helper, draft_model=SimpleNamespace(layers=layers))
+    ptrs = (flat.data_ptr(), norms.data_ptr())
+    with torch.no_grad():
+        for layer in layers:
+            layer.self_attn.qkv_proj.weight.add_(1.0)
+            layer.self_attn.k_norm.weight.mul_(2.0)
+    refresh_fused_kv(worker)
+    want_flat, want_norms = build()
+    assert torch.equal(helper.flat_kv_weight_t, want_flat) and torch.equal(helper.k_norm_weights, want_norms)
+    assert (helper.flat_kv_weight_t.data_ptr(), helper.k_norm_weights.data_ptr()) == ptrs
+    refresh_fused_kv(SimpleNamespace(_fused_kv_helper=None))  # no helper (CPU / non-fused path): nothing to do
+
+
+def test_histories_are_bounded_and_tts_refuses_dp_attention():
+    from specadapt.sglang.config import PluginConfigError, validate_for_server
+
+    _, student = _student()
+    tts = SGLangDFlashTTS(student, PluginConfig(tts=True), MASK, asynchronous=False, max_histories=2)
+    for rid in ("a", "b", "c"):  # "a" finished at prefill and never reached note_request_finished
+        tts.append_context([rid], torch.randn(2, 2 * HIDDEN), extend_lens=[2])
+    assert list(tts.history) == ["b", "c"]
+    server = SimpleNamespace(speculative_algorithm="DFLASH", speculative_draft_model_path="/d",
+                             speculative_eagle_topk=None, device="cuda", enable_dp_attention=True)
+    with pytest.raises(PluginConfigError, match="--enable-dp-attention"):
+        validate_for_server(PluginConfig(tts=True), server)

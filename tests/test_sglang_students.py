@@ -301,3 +301,110 @@ def test_tts_flags_allow_standalone_dflash_and_lora_and_refuse_ngram():
     server.speculative_algorithm = "NGRAM"
     with pytest.raises(PluginConfigError, match="--tts trains a draft model.*NGRAM"):
         validate_for_server(PluginConfig(tts=True), server)
+
+
+# ---- tensor parallelism -----------------------------------------------------------------------------------------
+from specadapt.sglang.students import Layout, TensorParallel  # noqa: E402
+from specadapt.sglang.students.sharding import shard, unshard  # noqa: E402
+
+
+@pytest.mark.parametrize("heads, kv_heads, size", [(4, 2, 2), (4, 1, 2), (8, 2, 4), (4, 4, 2), (8, 8, 4)])
+def test_qkv_shards_follow_sglangs_head_split_and_round_trip(heads, kv_heads, size):
+    d = 3
+    full = torch.arange((heads + 2 * kv_heads) * d * 2, dtype=torch.float32).reshape(-1, 2)
+    layout = Layout("qkv", heads=heads, kv_heads=kv_heads, head_dim=d)
+    shards = [shard(layout, full, r, size) for r in range(size)]
+    q_per, kv_per = heads // size, max(kv_heads // size, 1)
+    for r, s in enumerate(shards):
+        assert s.shape[0] == layout.shard_rows(size) == (q_per + 2 * kv_per) * d
+        assert torch.equal(s[: q_per * d], full[r * q_per * d:(r + 1) * q_per * d])  # its query heads
+        owner = r // max(size // kv_heads, 1)  # replicated key/value heads when size > kv_heads
+        k0 = heads * d + owner * kv_per * d
+        assert torch.equal(s[q_per * d: q_per * d + kv_per * d], full[k0: k0 + kv_per * d])
+    assert torch.equal(unshard(layout, shards, size), full)
+
+
+@pytest.mark.parametrize("kind", ["rows", "cols", "merged", "replicated"])
+def test_other_layouts_round_trip(kind):
+    full = torch.randn(8, 6)
+    layout = Layout(kind)
+    shards = [shard(layout, full, r, 2) for r in range(2)]
+    if kind == "merged":  # [gate_r; up_r]
+        assert torch.equal(shards[1], torch.cat([full[2:4], full[6:8]]))
+    assert torch.equal(unshard(layout, shards, 2), full)
+    with pytest.raises(ValueError, match="do not split"):
+        Layout("qkv", heads=3, kv_heads=1, head_dim=2).shard_rows(2)
+
+
+def _tp_drafts(family="qwen2", size=2):
+    """``size`` rank-local drafts holding SGLang-layout shards of one model, and gathers across them."""
+    hf = _hf(family)
+    full = _sglang_layout(hf, family)
+    cfg = full.config
+    d = cfg.hidden_size // cfg.num_attention_heads if family != "qwen3" else cfg.head_dim
+    qkv = Layout("qkv", heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=d)
+    layouts = {"model.embed_tokens.weight": Layout("rows"), "lm_head.weight": Layout("rows")}
+    for i in range(cfg.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        layouts.update({pre + "self_attn.qkv_proj.weight": qkv, pre + "self_attn.qkv_proj.bias": qkv,
+                        pre + "self_attn.o_proj.weight": Layout("cols"), pre + "mlp.gate_up_proj.weight": Layout("merged"),
+                        pre + "mlp.down_proj.weight": Layout("cols")})
+    drafts = []
+    for r in range(size):
+        draft = _sglang_layout(hf, family)
+        for name, p in draft.named_parameters():
+            p.data = shard(layouts.get(name, Layout()), p.data, r, size).clone()
+        drafts.append(draft)
+    by_name = [dict(d.named_parameters()) for d in drafts]
+    return hf, drafts, by_name, layouts
+
+
+def test_tensor_parallel_students_gather_train_and_publish_their_own_shards():
+    size = 2
+    hf, drafts, by_name, layouts = _tp_drafts("qwen2", size)
+    students = []
+
+    def broadcast_from_rank0(tensor):  # what the TP group's broadcast does to a module tensor of any rank
+        for name, p in students[1].module.named_parameters():
+            if p.data_ptr() == tensor.data_ptr():
+                tensor.copy_(dict(students[0].module.named_parameters())[name].data)
+
+    for r in range(size):
+        names = {p.data_ptr(): n for n, p in by_name[r].items()}
+        tp = TensorParallel(rank=r, size=size, gather=lambda t, names=names: [by_name[q][names[t.data_ptr()]].data
+                                                                               for q in range(size)],
+                            broadcast=broadcast_from_rank0)
+        students.append(build_student(drafts[r], drafts[r].config, "lora", 4, tp=tp))
+    tokens = torch.randint(50, (2, 6))
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    with torch.no_grad():
+        ref = hf(tokens).logits
+        for st in students:
+            assert torch.allclose(st.logits(st.module, None, tokens, mask), ref, atol=2e-5)
+    # the ranks' replicas differ slightly (floating point); a publish serves rank 0's everywhere
+    with torch.no_grad():
+        for st in students:
+            for name, p in st.module.named_parameters():
+                if name.startswith("lora_b__"):
+                    p.normal_(0, 0.05)
+        adapted = students[0].logits(students[0].module, None, tokens, mask)
+    ptrs = [{n: p.data_ptr() for n, p in b.items()} for b in by_name]
+    for st in students:
+        st.refresh()
+    assert [{n: p.data_ptr() for n, p in b.items()} for b in by_name] == ptrs  # in place
+    # each rank's served shards now hold its slice of the merged weights: a fresh student over them computes
+    # the adapted logits
+    names0 = {p.data_ptr(): n for n, p in by_name[0].items()}
+    fresh = build_student(drafts[0], drafts[0].config, "full", tp=TensorParallel(
+        0, size, lambda t: [by_name[q][names0[t.data_ptr()]].data for q in range(size)]))
+    with torch.no_grad():
+        assert torch.allclose(fresh.logits(fresh.module, None, tokens, mask), adapted, atol=1e-4)
+    # full-parameter training at TP 2: trained full replicas, shards written back at refresh
+    full_student = fresh
+    w = full_student.weights.get(full_student.module, "model.layers.0.mlp.down_proj.weight")
+    with torch.no_grad():
+        w.add_(1.0)
+    full_student.refresh()
+    assert torch.equal(by_name[0]["model.layers.0.mlp.down_proj.weight"].data, shard(Layout("cols"), w, 0, size))
+    assert "model.layers.0.mlp.down_proj.weight" in full_student.weights.trained
+    assert "model.embed_tokens.weight" not in full_student.weights.trained

@@ -252,6 +252,10 @@ def validate_for_server(config: PluginConfig, server_args: Any) -> None:
                 f"--specadapt-verify gbv verifies K={config.num_paths} chains of depth --speculative-num-steps="
                 f"{steps}: set --speculative-num-draft-tokens {config.num_paths * int(steps) + 1} (got {tokens})"
             )
+    if config.tts and _field(server_args, "enable_dp_attention"):
+        raise PluginConfigError(
+            "--tts cannot run with --enable-dp-attention yet: the draft's weights are sharded over the attention-TP "
+            "group while data-parallel replicas run different batches and publish rounds")
     if config.tts:
         if algo not in _TTS_ALGORITHMS:
             raise PluginConfigError(

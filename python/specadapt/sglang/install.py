@@ -59,6 +59,7 @@ class PluginState:
     tts: object = None  # SGLangTTS (SGLangDFlashTTS for DFLASH)
     algorithm: str = ""
     rids: list = None  # request ids of the batch in flight (set at the worker's forward_batch_generation)
+    extend_lens: object = None  # its prefill lengths (host list), when a prefill batch
 
 
 _STATE: PluginState | None = None
@@ -194,14 +195,23 @@ def _dflash_tts(worker, config: PluginConfig, asynchronous: bool):
     embed = target.get_input_embeddings().weight
     head = target.lm_head.weight
 
-    def rebuild_fused_kv():  # SGLang's fused context-KV helper keeps copies of the K/V weights and K norms
-        if getattr(worker, "_use_fused_kv_materialize", False) or getattr(worker, "_fused_kv_helper", None):
-            worker._use_fused_kv_materialize = True
-            worker._init_fused_kv_helper()
-
     student = DFlashStudent(draft_model, draft_model.config, embed, head, config.tts_params, config.tts_lora_rank,
-                            on_refresh=rebuild_fused_kv)
+                            on_refresh=lambda: refresh_fused_kv(worker))
     return SGLangDFlashTTS(student, config, worker._mask_token_id, asynchronous=asynchronous)
+
+
+@torch.no_grad()
+def refresh_fused_kv(worker) -> None:
+    """Copy the DFLASH draft's current K/V weights and K norms into SGLang's fused context-KV helper, which keeps
+    its own copies (``FusedKVMaterializeHelper.flat_kv_weight_t`` ``[in, layers * 2 kv]``, ``k_norm_weights``
+    ``[layers, head_dim]``), in place (no re-allocation, no log line per publish). No-op without the helper."""
+    helper = getattr(worker, "_fused_kv_helper", None)
+    if helper is None:
+        return
+    attns = [layer.self_attn for layer in worker.draft_model.layers]
+    kv = [a.qkv_proj.weight[a.q_size: a.q_size + 2 * a.kv_size] for a in attns]
+    helper.flat_kv_weight_t.copy_(torch.stack(kv).reshape(len(kv) * kv[0].shape[0], -1).transpose(0, 1))
+    helper.k_norm_weights.copy_(torch.stack([a.k_norm.weight for a in attns]))
 
 
 def _resolved(server_args, field: str):
@@ -256,11 +266,14 @@ def _tensor_parallel():
 
 
 def _tp_broadcast():
-    """In-place broadcast from TP rank 0, or ``None`` when TP = 1 / no process group."""
+    """In-place broadcast from rank 0 of the group that shares a batch (the attention-TP group under DP
+    attention, as SGLang's own verify broadcast), or ``None`` when that group has one rank / no process group."""
     try:
+        from sglang.srt.layers.dp_attention import is_dp_attention_enabled
         from sglang.srt.runtime_context import get_parallel
 
-        group = get_parallel().tp_group
+        parallel = get_parallel()
+        group = parallel.attn_tp_group if is_dp_attention_enabled() else parallel.tp_group
     except Exception:  # noqa: BLE001 - no parallel context (tests, TP = 1)
         return None
     if getattr(group, "world_size", 1) <= 1:
@@ -323,6 +336,7 @@ def forward_batch_generation_around(original, worker, batch, *args, **kwargs):
         state.tts.on_round_start()
     if state is not None:
         state.rids = [req.rid for req in getattr(batch, "reqs", None) or []]
+        state.extend_lens = getattr(batch, "extend_lens", None)  # host list at prefill (no device sync)
     return original(worker, batch, *args, **kwargs)
 
 
@@ -352,8 +366,10 @@ def dflash_append_around(original, worker, *args, **kwargs):
     state = _STATE
     hidden = kwargs.get("target_hidden")
     if state is not None and state.tts is not None and hidden is not None and hidden.numel():
-        state.tts.append_context(state.rids, hidden, commit_lens=kwargs.get("commit_lens"),
-                                 extend_lens=kwargs.get("extend_lens"))
+        extend_lens = kwargs.get("extend_lens")
+        if extend_lens is not None and isinstance(state.extend_lens, (list, tuple)):
+            extend_lens = list(state.extend_lens)  # the batch's host copy of the same lengths
+        state.tts.append_context(state.rids, hidden, commit_lens=kwargs.get("commit_lens"), extend_lens=extend_lens)
     return result
 
 

@@ -106,18 +106,23 @@ class SGLangTTS:
         student: the draft's :class:`Student`.
         config: plugin settings.
         asynchronous: background trainer (``False``: inline updates, for tests and debugging).
+        max_histories: request histories kept at most (least recently updated dropped first).
 
     Raises:
         ValueError: the student selects no trainable parameter.
     """
 
-    def __init__(self, student: Student, config: PluginConfig, asynchronous: bool = True) -> None:
+    def __init__(self, student: Student, config: PluginConfig, asynchronous: bool = True,
+                 max_histories: int = 4096) -> None:
         self.student = student
         self.config = config.tts_config()
         self.updater = TTSUpdater(student.module, student.trainable, self._loss, self.config,
                                   on_publish=student.refresh, asynchronous=asynchronous,
                                   example_bytes=lambda ex: ex.nbytes())
-        self.history: dict[str, collections.deque] = {}
+        # request id -> committed context; least recently used first. Bounded: a request that finishes at
+        # prefill (or is aborted there) never reaches SGLang's note_request_finished for decode results.
+        self.history: collections.OrderedDict[str, collections.deque] = collections.OrderedDict()
+        self.max_histories = int(max_histories)
         self._pending: list[TTSExample] = []
         self._pending_acceptance: list[float] = []
         self.rounds = 0
@@ -209,7 +214,7 @@ class SGLangTTS:
             tau = accepted[b]
             if not 0 <= tau <= slots - 1:
                 raise ValueError(f"accepted[{b}] = {tau} outside [0, {slots - 1}]")
-            hist = self.history.setdefault(rid, collections.deque(maxlen=window + 1))
+            hist = self._history(rid, window + 1)
             feats = snap["features"][b]
             toks = snap["tokens"][b]
             if slots >= 2:  # a round with drafts: one example
@@ -246,6 +251,16 @@ class SGLangTTS:
         examples, self._pending, self._pending_acceptance = self._pending, [], []
         self.rounds += 1
         self.updater.end_round(examples, acceptance)
+
+    def _history(self, rid: str, maxlen: int) -> collections.deque:
+        """The request's history (created empty), marked most recently used; evicts beyond ``max_histories``."""
+        hist = self.history.get(rid)
+        if hist is None:
+            hist = self.history[rid] = collections.deque(maxlen=maxlen)
+            while len(self.history) > self.max_histories:
+                self.history.popitem(last=False)
+        self.history.move_to_end(rid)
+        return hist
 
     def request_finished(self, rid: str) -> None:
         """Drop a finished request's history."""

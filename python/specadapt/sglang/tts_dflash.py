@@ -34,8 +34,8 @@ __all__ = ["DFlashExample", "SGLangDFlashTTS"]
 
 @dataclass
 class DFlashExample:
-    """One request's round: ``features [C, F]`` context, ``block [S] int64``, ``teacher [S-1, V]`` (or top-k values
-    with ``teacher_index``), ``accepted`` drafts (tau), ``vocab`` V."""
+    """One request's round: ``features [C, F]`` context, ``block [S] int64``, ``teacher [min(tau+1, S-1), V]``
+    (the supervised rows; or top-k values with ``teacher_index``), ``accepted`` drafts (tau), ``vocab`` V."""
 
     features: torch.Tensor
     block: torch.Tensor
@@ -58,8 +58,9 @@ class SGLangDFlashTTS(SGLangTTS):
         asynchronous: background trainer (``False``: inline updates, for tests).
     """
 
-    def __init__(self, student, config, mask_token_id: int, asynchronous: bool = True) -> None:
-        super().__init__(student, config, asynchronous=asynchronous)
+    def __init__(self, student, config, mask_token_id: int, asynchronous: bool = True,
+                 max_histories: int = 4096) -> None:
+        super().__init__(student, config, asynchronous=asynchronous, max_histories=max_histories)
         self.mask_token_id = int(mask_token_id)
 
     # ---- the serving loop's side ---------------------------------------------------------------------------
@@ -91,7 +92,7 @@ class SGLangDFlashTTS(SGLangTTS):
                 raise ValueError(f"extend_lens sum to {sum(lens)} rows, target_hidden has {feats.shape[0]}")
             spans = list(feats[: sum(lens)].split(lens))
         for rid, span in zip(rids, spans):
-            hist = self.history.setdefault(rid, collections.deque(maxlen=window))
+            hist = self._history(rid, window)
             for row in span[-window:].clone():
                 hist.append(row)
 
@@ -108,10 +109,8 @@ class SGLangDFlashTTS(SGLangTTS):
         if target_logits is None:
             return
         batch, slots = candidates.shape
-        logits = target_logits.reshape(batch, slots, -1).float()
-        temps = torch.as_tensor(temperatures).reshape(batch, 1, 1).float().to(logits.device)
-        temps = torch.where(temps > 0, temps, torch.ones_like(temps))
-        teacher = self._draft_rows(torch.softmax(logits[:, : slots - 1] / temps, dim=-1), renormalise=True)
+        logits = target_logits.reshape(batch, slots, -1)
+        temps = torch.as_tensor(temperatures).reshape(batch).float().tolist()
         taus = [int(a) for a in torch.as_tensor(accepted).reshape(-1).tolist()]
         block = torch.full((slots,), self.mask_token_id, dtype=torch.int64, device=candidates.device)
         for b, rid in enumerate(rids):
@@ -121,15 +120,20 @@ class SGLangDFlashTTS(SGLangTTS):
             tau = taus[b]
             if not 0 <= tau <= slots - 1:
                 raise ValueError(f"accepted[{b}] = {tau} outside [0, {slots - 1}]")
-            rows = teacher[b]
+            # only the supervised rows (up to the first rejection plus one): the rest carry zero weight
+            temp = temps[b] if temps[b] > 0 else 1.0
+            rows = self._draft_rows(torch.softmax(logits[b, : min(tau + 1, slots - 1)].float() / temp, dim=-1),
+                                    renormalise=True)
+            vocab = rows.shape[-1]
             index = None
             if 0 < self.config.topk < rows.shape[-1]:
                 rows, index = top_k_rows(rows, self.config.topk)
             example_block = block.clone()
             example_block[0] = candidates[b, 0]
+            self.history.move_to_end(rid)
             self._pending.append(DFlashExample(features=torch.stack(list(hist)), block=example_block,
-                                               teacher=rows.detach().clone(), accepted=tau,
-                                               vocab=teacher.shape[-1], teacher_index=index))
+                                               teacher=rows.detach().clone(), accepted=tau, vocab=vocab,
+                                               teacher_index=index))
         if taus:
             self._pending_acceptance.append(sum(t + 1 for t in taus) / len(taus))
 
@@ -148,7 +152,7 @@ class SGLangDFlashTTS(SGLangTTS):
         for i, ex in enumerate(examples):
             c = ex.features.shape[0]
             feats[i, :c], mask[i, :c] = ex.features, True
-            teacher[i] = dense_rows(ex.teacher, ex.teacher_index, ref.vocab)
+            teacher[i, : ex.teacher.shape[0]] = dense_rows(ex.teacher, ex.teacher_index, ref.vocab)
         logits = self.student.block_logits(module, feats, mask, blocks)[:, 1:]  # outputs at the drafts
         num = torch.full((n,), slots - 1, dtype=torch.int64)
         counts = supervised_counts(num, accepted.clamp_max(slots - 1), "accepted")

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["StudentWeights", "attention", "rms_norm", "rope_inv_freq", "rotate"]
+__all__ = ["StudentWeights", "attention", "rms_norm", "rope_inv_freq", "rope_parameters", "rotate", "vocab_layout"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -24,18 +24,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(weight.dtype) * weight
 
 
-def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
-    """``[head_dim / 2]`` float32 inverse RoPE frequencies of ``config`` (transformers' initialisers, so the
-    scaled variants match; ``partial_rotary_factor`` is not supported)."""
+def rope_parameters(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """``([head_dim / 2]`` float32 inverse RoPE frequencies, attention factor) of ``config`` -- transformers'
+    initialisers, so the scaled variants match (YaRN / longrope scale cos and sin by the factor, as SGLang's
+    rotary embeddings do; 1.0 otherwise). ``partial_rotary_factor`` / ``rope_dim`` are not supported."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_type = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
     if rope_type != "default" and rope_type in ROPE_INIT_FUNCTIONS:
-        inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-        return inv_freq.float()
+        inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        return inv_freq.float(), float(factor or 1.0)
     theta = float((params or {}).get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), 1.0
+
+
+def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
+    """The inverse frequencies of :func:`rope_parameters`."""
+    return rope_parameters(config, head_dim)[0]
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -46,7 +52,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, inv_freq: torch.Tensor,
-              q_norm=None, k_norm=None) -> torch.Tensor:
+              q_norm=None, k_norm=None, rope_scale: float = 1.0) -> torch.Tensor:
     """Causal GQA attention with RoPE over left-aligned padded rows.
 
     Args:
@@ -55,6 +61,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         inv_freq: ``[D / 2]`` RoPE inverse frequencies; positions are ``0..T-1`` (RoPE is relative, so the
             window's absolute offset does not change the scores).
         q_norm, k_norm: per-head RMSNorm callables applied before RoPE (Qwen3), or ``None``.
+        rope_scale: the RoPE attention factor (cos and sin are scaled by it: YaRN / longrope).
 
     Returns:
         ``[N, T, Hq * D]``.
@@ -66,8 +73,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     pos = torch.arange(t, device=q.device, dtype=torch.float32)
     angles = pos[:, None] * inv_freq.to(q.device)[None, :]
-    cos = torch.cat([angles.cos(), angles.cos()], -1).to(q.dtype)
-    sin = torch.cat([angles.sin(), angles.sin()], -1).to(q.dtype)
+    cos = (torch.cat([angles.cos(), angles.cos()], -1) * rope_scale).to(q.dtype)
+    sin = (torch.cat([angles.sin(), angles.sin()], -1) * rope_scale).to(q.dtype)
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     if kv_heads != heads:
         k, v = k.repeat_interleave(heads // kv_heads, dim=1), v.repeat_interleave(heads // kv_heads, dim=1)
@@ -209,3 +216,19 @@ class StudentWeights:
             if full.data_ptr() != tensor.data_ptr():
                 added += full.numel() * full.element_size()
         return added
+
+
+def vocab_layout(module):
+    """The TP layout of a ``VocabParallelEmbedding`` / ``ParallelLMHead`` (``None``: a plain tensor): vocab rows
+    when sharded, replicated when SGLang replicates the table (``SGLANG_ENABLE_EMBED_REPLICATION``).
+
+    Raises:
+        ValueError: added (LoRA) vocabulary rows, which SGLang places at the end of every shard.
+    """
+    from .sharding import Layout
+
+    if int(getattr(module, "num_added_embeddings", 0) or 0) > 0:
+        raise ValueError("TTS: an embedding / LM head with added vocabulary rows is not supported")
+    if module is not None and (not getattr(module, "enable_tp", True) or int(getattr(module, "tp_size", 2)) == 1):
+        return Layout()
+    return Layout("rows")

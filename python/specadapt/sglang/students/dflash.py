@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import StudentWeights, rms_norm, rope_inv_freq, rotate
+from ._common import StudentWeights, rms_norm, rope_parameters, rotate
 
 __all__ = ["DFlashStudent"]
 
@@ -52,6 +52,9 @@ def _refuse(config, draft_model) -> None:
         reasons.append("non-neox RoPE")
     if float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
         reasons.append("partial_rotary_factor")
+    scaling = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
+    if isinstance(scaling, dict) and "rope_dim" in scaling:
+        reasons.append("rope_scaling.rope_dim")
     if getattr(config, "hidden_act", "silu") != "silu":
         reasons.append(f"hidden_act={config.hidden_act}")
     if getattr(draft_model, "embed_tokens", None) is not None:
@@ -115,13 +118,17 @@ class DFlashStudent:
                              "is not supported for DFLASH drafts)")
         self.eps = float(getattr(config, "rms_norm_eps", 1e-6))
         self.vocab_size = int(config.vocab_size)
+        if embed_weight.shape[0] < self.vocab_size or lm_head_weight.shape[0] < self.vocab_size:
+            raise ValueError(f"TTS: the target's embedding / LM head have {embed_weight.shape[0]} / "
+                             f"{lm_head_weight.shape[0]} rows for a {self.vocab_size}-token vocabulary (a vocab "
+                             "shard: DFLASH TTS needs tensor parallelism 1)")
         shared = {"embed.weight": embed_weight, "lm_head.weight": lm_head_weight}
         adapted = ["fc.weight"] + [f"layers.{i}.{p}" for i in range(self.num_layers)
                                    for p in ("self_attn.qkv_proj.weight", "self_attn.o_proj.weight",
                                              "mlp.gate_up_proj.weight", "mlp.down_proj.weight")]
         self.weights = StudentWeights({**named, **shared}, names + list(shared), adapted, params, lora_rank)
         self.module = self.weights.module
-        self.inv_freq = rope_inv_freq(config, self.head_dim)
+        self.inv_freq, self.rope_scale = rope_parameters(config, self.head_dim)
         self.on_refresh = on_refresh
         self.weights.set_trained(self.trainable)
 
@@ -140,8 +147,8 @@ class DFlashStudent:
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``x [N, heads, T, D]`` rotated at ``positions [N, T]`` (neox layout)."""
         angles = positions.float()[..., None] * self.inv_freq.to(x.device)  # [N, T, D/2]
-        cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None].to(x.dtype)
-        sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None].to(x.dtype)
+        cos = (torch.cat([angles.cos(), angles.cos()], -1)[:, None] * self.rope_scale).to(x.dtype)
+        sin = (torch.cat([angles.sin(), angles.sin()], -1)[:, None] * self.rope_scale).to(x.dtype)
         return rotate(x, cos, sin)
 
     def block_logits(self, module: nn.Module, features: torch.Tensor, context_mask: torch.Tensor,

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import StudentWeights, attention, rms_norm, rope_inv_freq
+from ._common import StudentWeights, attention, rms_norm, rope_parameters, vocab_layout
 from .sharding import Layout
 
 __all__ = ["Eagle3LlamaStudent"]
@@ -82,22 +82,29 @@ class Eagle3LlamaStudent:
         pre = "model.layers.0."
         layouts = {pre + "self_attn.qkv_proj.weight": qkv, pre + "self_attn.o_proj.weight": Layout("cols"),
                    pre + "mlp.gate_up_proj.weight": Layout("merged"), pre + "mlp.down_proj.weight": Layout("cols"),
-                   "model.embed_tokens.weight": Layout("rows"), "lm_head.weight": Layout("rows")}
+                   "model.embed_tokens.weight": vocab_layout(getattr(getattr(draft_model, "model", None),
+                                                                    "embed_tokens", None)),
+                   "lm_head.weight": vocab_layout(getattr(draft_model, "lm_head", None))}
         self.weights = StudentWeights(named, self.REQUIRED + ("model.embed_tokens.weight",) + self.optional,
                                       self.ADAPTED, params, lora_rank, tp=tp, layouts=layouts)
         self.module = self.weights.module
+        # SGLang points the draft's head at the target's when the checkpoint has no draft_vocab_size
+        self.head_shared = bool(getattr(draft_model, "load_lm_head_from_target", False))
         hot = getattr(draft_model, "hot_token_id", None)
         self.draft_vocab = None if hot is None else torch.as_tensor(hot).to(torch.int64).reshape(-1)
         # the head's rows are padded to a multiple of 64 (and TP); logits keep the draft's own ids
         self.vocab_size = (int(self.draft_vocab.numel()) if self.draft_vocab is not None
                            else int(getattr(config, "draft_vocab_size", None) or config.vocab_size))
-        self.inv_freq = rope_inv_freq(config, self.head_dim)
+        self.inv_freq, self.rope_scale = rope_parameters(config, self.head_dim)
         self.weights.set_trained(self.trainable)
 
     def trainable(self, name: str, param: nn.Parameter) -> bool:
-        """LoRA: the adapters. Full: the draft's own tensors, never the embedding (shared with the target)."""
+        """LoRA: the adapters. Full: the draft's own tensors, never the embedding (shared with the target) nor an
+        LM head borrowed from the target (a checkpoint without ``draft_vocab_size``)."""
         if self.weights.params == "lora":
             return self.weights.is_adapter(name)
+        if name.startswith("lm_head__") and self.head_shared:
+            return False
         return not name.startswith(("base__", "lora_")) and "embed_tokens" not in name
 
     def refresh(self) -> None:
@@ -127,7 +134,7 @@ class Eagle3LlamaStudent:
         q = qkv[..., :nq].reshape(n, t, self.num_heads, d)
         k = qkv[..., nq:nq + nkv].reshape(n, t, self.num_kv_heads, d)
         v = qkv[..., nq + nkv:].reshape(n, t, self.num_kv_heads, d)
-        attn = attention(q, k, v, mask, self.inv_freq)
+        attn = attention(q, k, v, mask, self.inv_freq, rope_scale=self.rope_scale)
         h = w.linear(module, "model.layers.0.self_attn.o_proj.weight", attn) + residual
         residual = h
         gate_up = w.linear(module, "model.layers.0.mlp.gate_up_proj.weight",

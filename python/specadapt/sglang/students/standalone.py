@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import StudentWeights, attention, rms_norm, rope_inv_freq
+from ._common import StudentWeights, attention, rms_norm, rope_parameters, vocab_layout
 from .sharding import Layout
 
 __all__ = ["DenseLMStudent", "SUPPORTED_ARCHITECTURES"]
@@ -98,7 +98,9 @@ class DenseLMStudent:
         names = sorted({n for n in named if _LAYER_PARAM.match(n)} | set(required))
         adapted = [f"model.layers.{i}.{s}.weight" for i in range(self.num_layers)
                    for s in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")]
-        layouts = {"model.embed_tokens.weight": Layout("rows"), "lm_head.weight": Layout("rows")}
+        layouts = {"model.embed_tokens.weight": vocab_layout(getattr(getattr(draft_model, "model", None),
+                                                                     "embed_tokens", None)),
+                   "lm_head.weight": vocab_layout(getattr(draft_model, "lm_head", None))}
         for i in range(self.num_layers):
             pre = f"model.layers.{i}."
             layouts.update({pre + "self_attn.qkv_proj.weight": qkv, pre + "self_attn.qkv_proj.bias": qkv,
@@ -109,7 +111,7 @@ class DenseLMStudent:
         self.weights = StudentWeights(named, names, adapted, params, lora_rank, tp=tp, layouts=layouts)
         self.module = self.weights.module
         self.draft_vocab = None
-        self.inv_freq = rope_inv_freq(config, self.head_dim)
+        self.inv_freq, self.rope_scale = rope_parameters(config, self.head_dim)
         self._has = set(names)
         self.weights.set_trained(self.trainable)
 
@@ -147,7 +149,7 @@ class DenseLMStudent:
                 qw, kw = p(pre + "self_attn.q_norm.weight"), p(pre + "self_attn.k_norm.weight")
                 q_norm = lambda z, qw=qw: rms_norm(z, qw, self.eps)  # noqa: E731
                 k_norm = lambda z, kw=kw: rms_norm(z, kw, self.eps)  # noqa: E731
-            attn = attention(q, k, v, mask, self.inv_freq, q_norm, k_norm)
+            attn = attention(q, k, v, mask, self.inv_freq, q_norm, k_norm, rope_scale=self.rope_scale)
             h = residual + w.linear(module, pre + "self_attn.o_proj.weight", attn, self._opt(pre + "self_attn.o_proj.bias"))
             residual = h
             x = rms_norm(h, p(pre + "post_attention_layernorm.weight"), self.eps)
