@@ -351,9 +351,16 @@ def gbv_worker_init():
 
     from specadapt.sglang import hot_vocab
 
-    worker = SimpleNamespace(target_worker=SimpleNamespace(model_config=SimpleNamespace(vocab_size=256)))
+    worker = SimpleNamespace(target_worker=SimpleNamespace(model_config=SimpleNamespace(vocab_size=256)),
+                             draft_runner=SimpleNamespace(model_config=SimpleNamespace(vocab_size=256)))
     hot_vocab.alloc_memory_pool_around(alloc_memory_pool, worker)
     hot = hot_vocab.get_hot_vocab()
+    worker.draft_runner.model_config.vocab_size = 300  # a draft config whose vocabulary differs from the target's
+    try:
+        hot_vocab.alloc_memory_pool_around(alloc_memory_pool, worker)
+        seen["width_mismatch"] = "accepted"
+    except RuntimeError as exc:
+        seen["width_mismatch"] = "refused" if "differs from the target" in str(exc) else str(exc)
     return {"outside": get_spec().speculative_use_rejection_sampling, **seen,
             "draft_tokens": get_spec().speculative_num_draft_tokens,
             "hot_ids": hot.ids.tolist(), "target_vocab": hot.target_vocab}

@@ -61,7 +61,7 @@ def test_worker_hooks_hide_rejection_sampling_only_inside(tiny_models):
     assert "speculative_use_rejection_sampling" in source and "self.topk == 1" in source  # what the hook is for
     got = _probe("gbv_worker_init", env={"SPECADAPT_NO_CUDA": "1", "SPECADAPT_TINY_MODELS": json.dumps(tiny_models)})
     assert got == {"outside": True, "inside": False, "topk": 3, "draft_tokens": 13, "pool_rs": False,
-                   "hot_ids": [3, 1, 4], "target_vocab": 256}
+                   "hot_ids": [3, 1, 4], "target_vocab": 256, "width_mismatch": "refused"}
 
 
 def test_alloc_memory_pool_still_holds_the_vocabulary_check_the_plugin_bypasses():
