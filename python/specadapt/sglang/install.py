@@ -193,7 +193,14 @@ def _dflash_tts(worker, config: PluginConfig, asynchronous: bool):
     draft_model = worker.draft_model
     target = worker.target_worker.model_runner.model
     embed = target.get_input_embeddings().weight
-    head = target.lm_head.weight
+    head = target.lm_head
+    try:  # a LoRA-wrapped head (SGLang's own init_lm_head unwraps it the same way)
+        from sglang.srt.lora.layers import unwrap_lora_layer
+
+        head = unwrap_lora_layer(head)
+    except ImportError:
+        pass
+    head = head.weight
 
     student = DFlashStudent(draft_model, draft_model.config, embed, head, config.tts_params, config.tts_lora_rank,
                             on_refresh=lambda: refresh_fused_kv(worker))
