@@ -229,3 +229,23 @@ def test_histories_are_bounded_and_tts_refuses_dp_attention():
                              speculative_eagle_topk=None, device="cuda", enable_dp_attention=True)
     with pytest.raises(PluginConfigError, match="--enable-dp-attention"):
         validate_for_server(PluginConfig(tts=True), server)
+
+
+def test_dflash_tts_is_built_from_the_worker():
+    """The installation path: the student over the worker's draft, the target's embedding and LM head (shared,
+    never trained), the worker's mask token."""
+    from specadapt.sglang.install import _dflash_tts
+
+    draft = _draft()
+    embed, head = nn.Embedding(VOCAB, HIDDEN), nn.Linear(HIDDEN, VOCAB, bias=False)
+    target = SimpleNamespace(get_input_embeddings=lambda: embed, lm_head=head)
+    worker = SimpleNamespace(draft_model=draft, _mask_token_id=MASK, _fused_kv_helper=None,
+                             target_worker=SimpleNamespace(model_runner=SimpleNamespace(model=target)))
+    tts = _dflash_tts(worker, PluginConfig(tts=True, tts_params="lora"), asynchronous=False)
+    assert isinstance(tts, SGLangDFlashTTS) and tts.mask_token_id == MASK
+    weights = tts.student.weights
+    assert weights.get(tts.student.module, "embed.weight").data_ptr() == embed.weight.data_ptr()
+    assert weights.get(tts.student.module, "lm_head.weight").data_ptr() == head.weight.data_ptr()
+    trained = {n for n, p in tts.student.module.named_parameters() if tts.student.trainable(n, p)}
+    assert trained and all(n.startswith(("lora_a__", "lora_b__")) for n in trained)
+    tts.student.refresh()  # merges (B = 0: unchanged) and the fused-KV refresh finds no helper
