@@ -19,6 +19,7 @@ from specadapt.sglang.install import (
 from specadapt.sglang.students.dflash import DFlashStudent
 from specadapt.sglang.tts_dflash import SGLangDFlashTTS
 from specadapt.sglang.verify import VerifyRuntime
+from test_sglang_students import with_parameters
 
 HIDDEN, HEADS, KV, D, INTER, VOCAB, MASK = 16, 4, 2, 4, 24, 30, 3
 
@@ -36,15 +37,8 @@ def _draft(layers=2, seed=0):
                        pre + "self_attn.q_norm.weight": (D,), pre + "self_attn.k_norm.weight": (D,),
                        pre + "mlp.gate_up_proj.weight": (2 * INTER, HIDDEN),
                        pre + "mlp.down_proj.weight": (HIDDEN, INTER)})
-    for name, shape in shapes.items():
-        *path, leaf = name.split(".")
-        owner = draft
-        for part in path:
-            if not hasattr(owner, part):
-                owner.add_module(part, nn.Module())
-            owner = getattr(owner, part)
-        value = 1 + 0.1 * torch.randn(shape) if "norm" in name else 0.3 * torch.randn(shape)
-        owner.register_parameter(leaf, nn.Parameter(value, requires_grad=False))
+    with_parameters(draft, {name: 1 + 0.1 * torch.randn(shape) if "norm" in name else 0.3 * torch.randn(shape)
+                            for name, shape in shapes.items()})
     draft.config = SimpleNamespace(num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=D, hidden_size=HIDDEN,
                                    rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=VOCAB, hidden_act="silu")
     return draft

@@ -72,15 +72,21 @@ def _sglang_layout(hf_model, family: str) -> nn.Module:
                 params[pre + f"self_attn.{norm}.weight"] = sd[pre + f"self_attn.{norm}.weight"]
         params[pre + "mlp.gate_up_proj.weight"] = torch.cat([sd[pre + "mlp.gate_proj.weight"], sd[pre + "mlp.up_proj.weight"]])
         params[pre + "mlp.down_proj.weight"] = sd[pre + "mlp.down_proj.weight"]
+    return with_parameters(draft, {name: value.clone() for name, value in params.items()})
+
+
+def with_parameters(module: nn.Module, params: dict) -> nn.Module:
+    """``module`` with frozen Parameters at the dotted names of ``params`` (sub-modules created on the way): a
+    stand-in carrying SGLang's parameter names."""
     for name, value in params.items():
         *path, leaf = name.split(".")
-        owner = draft
+        owner = module
         for part in path:
             if not hasattr(owner, part):
                 owner.add_module(part, nn.Module())
             owner = getattr(owner, part)
-        owner.register_parameter(leaf, nn.Parameter(value.clone(), requires_grad=False))
-    return draft
+        owner.register_parameter(leaf, nn.Parameter(value, requires_grad=False))
+    return module
 
 
 def _layer(draft, i):

@@ -131,11 +131,8 @@ def triton_compare(num_seeds):
     return result
 
 
-def _sglang_models_on_cpu():
-    """Make SGLang's model classes constructible on a CPU-only host: one gloo process group of size 1 (SGLang's
-    own test helper) and a stand-in for the vllm rotary op SGLang imports off CUDA (never called: only the
-    weights are used)."""
-    import socket
+def _stub_vllm():
+    """A stand-in for the vllm rotary op SGLang's RotaryEmbedding imports off CUDA (never called here)."""
     import types
 
     if "vllm" not in sys.modules:
@@ -143,6 +140,15 @@ def _sglang_models_on_cpu():
         ops.rotary_embedding = None
         vllm._custom_ops = ops
         sys.modules["vllm"], sys.modules["vllm._custom_ops"] = vllm, ops
+
+
+def _sglang_models_on_cpu():
+    """Make SGLang's model classes constructible on a CPU-only host: one gloo process group of size 1 (SGLang's
+    own test helper) and a stand-in for the vllm rotary op SGLang imports off CUDA (never called: only the
+    weights are used)."""
+    import socket
+
+    _stub_vllm()
     from sglang.test.layer_ut_utils import init_single_process_dist
 
     with socket.socket() as sock:
@@ -388,16 +394,10 @@ def tp_rank(rank, port):
     """One rank of :func:`tp_students`: SGLang Llama (key/value heads replicated over the ranks), Qwen2 (q/k/v
     biases) and Qwen3 (q/k norms) drafts loaded with TP 2 from transformers weights, and an EAGLE-3 draft; each
     student's logits against the unsharded reference, then a LoRA publish read back through the served shards."""
-    import types
-
     import torch
 
     rank = int(rank)
-    if "vllm" not in sys.modules:
-        vllm, ops = types.ModuleType("vllm"), types.ModuleType("vllm._custom_ops")
-        ops.rotary_embedding = None
-        vllm._custom_ops = ops
-        sys.modules["vllm"], sys.modules["vllm._custom_ops"] = vllm, ops
+    _stub_vllm()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))
     from sglang.srt.distributed import parallel_state
@@ -484,19 +484,10 @@ def tp_rank(rank, port):
     eagle.load_weights([(n.replace("model.", "", 1) if n.startswith("model.") else n, t) for n, t in state.items()])
     student = build_student(eagle, eagle.config, "full", tp=tp)
     from torch import nn
+    from test_sglang_students import with_parameters
 
-    class Stand(nn.Module):
-        pass
-
-    ref_draft = type("LlamaForCausalLMEagle3", (nn.Module,), {})()
-    for name, value in full.items():
-        *path, leaf = name.split(".")
-        owner = ref_draft
-        for part in path:
-            if not hasattr(owner, part):
-                owner.add_module(part, Stand())
-            owner = getattr(owner, part)
-        owner.register_parameter(leaf, nn.Parameter(value.clone(), requires_grad=False))
+    ref_draft = with_parameters(type("LlamaForCausalLMEagle3", (nn.Module,), {})(),
+                                {name: value.clone() for name, value in full.items()})
     reference = build_student(ref_draft, eagle.config, "full")
     feats, toks = torch.randn(2, 5, 96, generator=torch.Generator().manual_seed(2)), torch.randint(128, (2, 5))
     mask = torch.ones(2, 5, dtype=torch.bool)

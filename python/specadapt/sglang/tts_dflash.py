@@ -19,7 +19,6 @@ publish also rebuilds SGLang's fused context-KV helper, which keeps copies of th
 
 from __future__ import annotations
 
-import collections
 from dataclasses import dataclass
 
 import torch

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["StudentWeights", "attention", "rms_norm", "rope_inv_freq", "rope_parameters", "rotate", "vocab_layout"]
+__all__ = ["StudentWeights", "attention", "rms_norm", "rope_inv_freq", "qkv_layout", "rope_parameters", "rotate", "vocab_layout"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -232,3 +232,24 @@ def vocab_layout(module):
     if module is not None and (not getattr(module, "enable_tp", True) or int(getattr(module, "tp_size", 2)) == 1):
         return Layout()
     return Layout("rows")
+
+
+def qkv_layout(config, qkv_weight: torch.Tensor, tp=None):
+    """The attention heads of ``config`` (``num_attention_heads``, ``num_key_value_heads``, ``head_dim`` or
+    ``hidden_size / heads``) as a ``qkv`` :class:`~.sharding.Layout`, checked against the served ``qkv_proj``
+    shard ``[rows, in]`` of this rank.
+
+    Raises:
+        ValueError: the shard's rows are not the configured heads' on ``tp.size`` ranks.
+    """
+    from .sharding import Layout
+
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or int(config.hidden_size) // heads)
+    layout = Layout("qkv", heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    size = 1 if tp is None else tp.size
+    if qkv_weight.shape[0] != layout.shard_rows(size):
+        raise ValueError(f"TTS: qkv_proj has {qkv_weight.shape[0]} rows, expected {layout.shard_rows(size)} on each "
+                         f"of {size} tensor-parallel rank(s)")
+    return layout

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import StudentWeights, rms_norm, rope_parameters, rotate
+from ._common import StudentWeights, qkv_layout, rms_norm, rope_parameters, rotate
 
 __all__ = ["DFlashStudent"]
 
@@ -107,15 +107,8 @@ class DFlashStudent:
             raise ValueError(f"TTS: the DFLASH student does not match this draft (missing {missing[:4]}, "
                              f"unknown {unknown[:4]})")
         self.config = config
-        self.num_heads = int(config.num_attention_heads)
-        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
-        hidden = int(config.hidden_size)
-        self.head_dim = int(getattr(config, "head_dim", None) or hidden // self.num_heads)
-        rows = named["layers.0.self_attn.qkv_proj.weight"].shape[0]
-        if rows != (self.num_heads + 2 * self.num_kv_heads) * self.head_dim:
-            raise ValueError(f"TTS: the DFLASH draft's qkv_proj has {rows} rows, not the configured heads' "
-                             f"{(self.num_heads + 2 * self.num_kv_heads) * self.head_dim} (tensor parallelism > 1 "
-                             "is not supported for DFLASH drafts)")
+        qkv = qkv_layout(config, named["layers.0.self_attn.qkv_proj.weight"])  # TP 1 only for DFLASH
+        self.num_heads, self.num_kv_heads, self.head_dim = qkv.heads, qkv.kv_heads, qkv.head_dim
         self.eps = float(getattr(config, "rms_norm_eps", 1e-6))
         self.vocab_size = int(config.vocab_size)
         if embed_weight.shape[0] < self.vocab_size or lm_head_weight.shape[0] < self.vocab_size:

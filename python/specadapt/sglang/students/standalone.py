@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import StudentWeights, attention, rms_norm, rope_parameters, vocab_layout
+from ._common import StudentWeights, attention, qkv_layout, rms_norm, rope_parameters, vocab_layout
 from .sharding import Layout
 
 __all__ = ["DenseLMStudent", "SUPPORTED_ARCHITECTURES"]
@@ -82,16 +82,8 @@ class DenseLMStudent:
         if missing:
             raise ValueError(f"TTS: the draft has no parameter(s) {missing[:5]}")
         self.config = config
-        self.num_heads = int(config.num_attention_heads)
-        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
-        hidden = int(config.hidden_size)
-        self.head_dim = int(getattr(config, "head_dim", None) or hidden // self.num_heads)
-        qkv = Layout("qkv", heads=self.num_heads, kv_heads=self.num_kv_heads, head_dim=self.head_dim)
-        size = 1 if tp is None else tp.size
-        qkv_rows = named["model.layers.0.self_attn.qkv_proj.weight"].shape[0]
-        if qkv_rows != qkv.shard_rows(size):
-            raise ValueError(f"TTS: qkv_proj has {qkv_rows} rows, expected {qkv.shard_rows(size)} on each of {size} "
-                             "tensor-parallel rank(s)")
+        qkv = qkv_layout(config, named["model.layers.0.self_attn.qkv_proj.weight"], tp)
+        self.num_heads, self.num_kv_heads, self.head_dim = qkv.heads, qkv.kv_heads, qkv.head_dim
         self.eps = float(getattr(config, "rms_norm_eps", 1e-6))
         self.vocab_size = int(getattr(config, "vocab_size", None) or named[head].shape[0])
         self.head = head
