@@ -419,23 +419,30 @@ def test_tts_topk_snapshots_densify_to_the_truncated_teacher():
         PluginConfig(tts=True, tts_topk=-1)
 
 
+def distil_rounds(tts: SGLangTTS, snapshot, accepted, rounds: int) -> list[float]:
+    """``rounds`` rounds of the same verify outcome (``snapshot()`` -> a fresh snapshot, ``accepted`` per request,
+    no history carried over): the loss on each round's examples before that round's update."""
+    losses = []
+    for _ in range(rounds):
+        snap = snapshot()
+        tts.history.clear()
+        tts.record(snap, accepted)
+        with torch.no_grad():
+            losses.append(float(tts._loss(tts.updater.shadow, tts._pending)))
+        tts.on_round_start()
+    return losses
+
+
 def test_tts_updates_lower_the_loss():
     torch.manual_seed(0)
     draft, student = _student()
     tts = SGLangTTS(student, PluginConfig(tts=True, tts_stride=1, tts_lr=3e-2, tts_rollback_margin=1.0),
                     asynchronous=False)
     g = torch.Generator().manual_seed(3)
-    fixed = _round(g, batch=2, slots=4)
-    losses = []
-    for _ in range(25):
-        vi, b, lo = fixed
-        snap = tts.snapshot([r.rid for r in b.reqs], vi.draft_token, lo.hidden_states, lo.next_token_logits,
-                            b.sampling_info.temperatures, vi.draft_probs)
-        tts.history.clear()
-        tts.record(snap, [3, 3])
-        with torch.no_grad():
-            losses.append(float(tts._loss(tts.updater.shadow, tts._pending)))
-        tts.on_round_start()
+    vi, b, lo = _round(g, batch=2, slots=4)
+    losses = distil_rounds(tts, lambda: tts.snapshot([r.rid for r in b.reqs], vi.draft_token, lo.hidden_states,
+                                                     lo.next_token_logits, b.sampling_info.temperatures,
+                                                     vi.draft_probs), [3, 3], rounds=25)
     assert tts.updater.stats.updates >= 20
     assert losses[-1] < 0.7 * losses[0], losses
 

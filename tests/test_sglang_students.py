@@ -20,6 +20,7 @@ from specadapt.sglang import install as install_module
 from specadapt.sglang.students import DenseLMStudent, Eagle3LlamaStudent, build_student
 from specadapt.sglang.tts import SGLangTTS
 from specadapt.sglang.verify import VerifyRuntime
+from test_sglang_adapter import distil_rounds
 
 _SMALL = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
@@ -262,14 +263,8 @@ def test_standalone_tts_distils_toward_the_target(params):
     student = build_student(draft, draft.config, params, 8)
     tts = SGLangTTS(student, PluginConfig(tts=True, tts_stride=1, tts_lr=1e-2, tts_rollback_margin=1.0,
                                           tts_params=params, tts_lora_rank=8), asynchronous=False)
-    losses = []
-    for _ in range(20):
-        snap = tts.snapshot(["a", "b"], tokens, None, target_logits, torch.ones(2))
-        tts.history.clear()
-        tts.record(snap, [4, 4])
-        with torch.no_grad():
-            losses.append(float(tts._loss(tts.updater.shadow, tts._pending)))
-        tts.on_round_start()
+    losses = distil_rounds(tts, lambda: tts.snapshot(["a", "b"], tokens, None, target_logits, torch.ones(2)),
+                           [4, 4], rounds=20)
     assert tts.updater.stats.updates >= 19
     assert losses[-1] < 0.1 * losses[0], losses
     # what the serving draft computes moved toward the target too (the publishes reached its tensors)

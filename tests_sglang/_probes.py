@@ -142,6 +142,21 @@ def _stub_vllm():
         sys.modules["vllm"], sys.modules["vllm._custom_ops"] = vllm, ops
 
 
+def _hf_and_sglang(config, hf_cls, sg_cls):
+    """A transformers model (norms and biases perturbed, so a missed one shows) and SGLang's model class loaded
+    from its weights by SGLang's own ``load_weights`` (which fuses and, at TP > 1, shards them)."""
+    import torch
+
+    hf = hf_cls(config).eval()
+    with torch.no_grad():
+        for name, prm in hf.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                prm.add_(torch.randn_like(prm) * 0.1)
+    draft = sg_cls(config)
+    draft.load_weights(list(hf.state_dict().items()))
+    return hf, draft
+
+
 def _sglang_models_on_cpu():
     """Make SGLang's model classes constructible on a CPU-only host: one gloo process group of size 1 (SGLang's
     own test helper) and a stand-in for the vllm rotary op SGLang imports off CUDA (never called: only the
@@ -185,13 +200,7 @@ def students():
         config = config_cls(**small, **extra)
         if "tie_word_embeddings" not in extra:
             config.tie_word_embeddings = False
-        hf = hf_cls(config).eval()
-        with torch.no_grad():
-            for name, p in hf.named_parameters():
-                if "norm" in name or name.endswith("bias"):
-                    p.add_(torch.randn_like(p) * 0.1)
-        draft = sg_cls(config)
-        draft.load_weights(list(hf.state_dict().items()))
+        hf, draft = _hf_and_sglang(config, hf_cls, sg_cls)
         student = build_student(draft, draft.config)
         tokens = torch.randint(64, (2, 7))
         mask = torch.ones(2, 7, dtype=torch.bool)
@@ -435,13 +444,7 @@ def tp_rank(rank, port):
     }.items():
         torch.manual_seed(0)  # the same model on both ranks
         config = config_cls(**small, **extra)
-        hf = hf_cls(config).eval()
-        with torch.no_grad():
-            for name, p in hf.named_parameters():
-                if "norm" in name or name.endswith("bias"):
-                    p.add_(torch.randn_like(p) * 0.1)
-        draft = sg_cls(config)
-        draft.load_weights(list(hf.state_dict().items()))
+        hf, draft = _hf_and_sglang(config, hf_cls, sg_cls)
         tokens = torch.randint(128, (2, 7))
         mask = torch.ones(2, 7, dtype=torch.bool)
         student = build_student(draft, draft.config, "lora", 4, tp=tp)

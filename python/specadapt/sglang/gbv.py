@@ -145,6 +145,7 @@ def set_drafting(drafting: GBVDrafting | None) -> None:
 
 
 def get_drafting() -> GBVDrafting | None:
+    """This process's :class:`GBVDrafting` (``None`` without ``--specadapt-verify gbv``)."""
     return _DRAFTING
 
 

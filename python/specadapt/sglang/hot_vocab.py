@@ -63,11 +63,13 @@ _HOT: HotVocab | None = None
 
 
 def set_hot_vocab(hot: HotVocab | None) -> None:
+    """Install (or clear) this process's :class:`HotVocab`."""
     global _HOT
     _HOT = hot
 
 
 def get_hot_vocab() -> HotVocab | None:
+    """This process's :class:`HotVocab` (``None``: the draft predicts the target vocabulary)."""
     return _HOT
 
 
