@@ -153,8 +153,34 @@ def _hf_and_sglang(config, hf_cls, sg_cls):
             if "norm" in name or name.endswith("bias"):
                 prm.add_(torch.randn_like(prm) * 0.1)
     draft = sg_cls(config)
+    with torch.no_grad():  # SGLang allocates with torch.empty: a tensor load_weights missed must not pass
+        for prm in draft.parameters():
+            prm.fill_(float("nan"))
     draft.load_weights(list(hf.state_dict().items()))
+    require_loaded(draft)
     return hf, draft
+
+
+def require_loaded(model):
+    """Raise naming every parameter of ``model`` that holds NaN / inf (a tensor SGLang's ``load_weights`` or the
+    probe never wrote: SGLang allocates parameters with ``torch.empty``, so it would be uninitialised memory)."""
+    import torch
+
+    bad = [name for name, prm in model.named_parameters() if not bool(torch.isfinite(prm).all())]
+    if bad:
+        raise AssertionError(f"{type(model).__name__}: parameters never written (uninitialised): {bad}")
+
+
+def sglang_model(cls, config):
+    """SGLang's model class ``cls(config)`` with every parameter set deterministically from torch's global
+    seed (norm weights near 1, the rest N(0, 0.2^2)) instead of the uninitialised memory ``torch.empty`` gives."""
+    import torch
+
+    model = cls(config)
+    with torch.no_grad():
+        for name, prm in model.named_parameters():
+            prm.copy_(1 + 0.1 * torch.randn_like(prm) if "norm" in name else 0.2 * torch.randn_like(prm))
+    return model
 
 
 def _sglang_models_on_cpu():
@@ -219,7 +245,7 @@ def students():
         out[family] = {"max_abs_diff": diff, "student": type(student).__name__, "aliased": aliased,
                        "lora_merged_in_place": merged and target.data_ptr() == ptr, "tied": student.tied}
     config = LlamaConfig(**{**small, "num_hidden_layers": 1}, draft_vocab_size=16)
-    eagle = LlamaForCausalLMEagle3(config)
+    eagle = sglang_model(LlamaForCausalLMEagle3, config)
     student = build_student(eagle, eagle.config)
     with torch.no_grad():
         logits = student.logits(student.module, torch.randn(2, 5, 96), torch.randint(64, (2, 5)),
@@ -485,6 +511,7 @@ def tp_rank(rank, port):
     state = {n: t for n, t in full.items() if "qkv_proj" not in n and "gate_up_proj" not in n}
     state.update(hf_names)
     eagle.load_weights([(n.replace("model.", "", 1) if n.startswith("model.") else n, t) for n, t in state.items()])
+    require_loaded(eagle)
     student = build_student(eagle, eagle.config, "full", tp=tp)
     from torch import nn
     from test_sglang_students import with_parameters
@@ -557,19 +584,13 @@ def sglang_forwards():
                 start += n
         return torch.cat(rows)
 
-    def randomise(model):
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
-
     out = {}
     for variant, extra in (("plain", {}), ("norm_before_fc", {"norm_before_fc": True}), ("fc_norm", {"fc_norm": True})):
         torch.manual_seed(0)
         config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=48, num_hidden_layers=1,
                              num_attention_heads=heads, num_key_value_heads=kv_heads, draft_vocab_size=vocab,
                              max_position_embeddings=64, **extra)
-        model = LlamaForCausalLMEagle3(config)
-        randomise(model)
+        model = sglang_model(LlamaForCausalLMEagle3, config)
         features = torch.randn(sum(lengths), 3 * hidden)
         ref, tokens = run(model, 1, features)
         ours = student_logits(model, tokens, features)
@@ -582,8 +603,7 @@ def sglang_forwards():
         config = config_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=48, num_hidden_layers=2,
                             num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=64,
                             tie_word_embeddings=False, **extra)
-        model = cls(config)
-        randomise(model)
+        model = sglang_model(cls, config)
         ref, tokens = run(model, 2)
         ours = student_logits(model, tokens)
         out[family] = {"max_abs_diff": float((ours - ref[..., :vocab]).abs().max())}
@@ -616,10 +636,7 @@ def dflash_forward():
     config.dflash_config = {"target_layer_ids": [1, 3], "block_size": block, "mask_token_id": mask_id}
     config.architectures = ["DFlashDraftModel"]
     torch.manual_seed(0)
-    model = DFlashDraftModel(config)
-    with torch.no_grad():
-        for name, prm in model.named_parameters():
-            prm.copy_(1 + 0.1 * torch.randn_like(prm) if "norm" in name else 0.2 * torch.randn_like(prm))
+    model = sglang_model(DFlashDraftModel, config)
     embed = torch.randn(vocab, hidden) * 0.5
     lm_head = torch.randn(vocab, hidden) * 0.3
     features = [torch.randn(c, 2 * hidden) for c in contexts]
