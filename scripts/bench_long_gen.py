@@ -593,7 +593,8 @@ def run_embedded(args, prompts) -> tuple[list[dict], float, dict, list[dict], fl
         per-request records (in prompt order; ``latency_s`` = seconds from the start of the request's batch to its
         last token), the wall-clock seconds of decoding, extra config entries, the summary acceptance length by
         output-position bucket (``[{"start", "end", "rounds", "acceptance_length"}]``) and the acceptance length
-        over all rounds (mean tau + 1, as ``specadapt generate`` reports it).
+        over all rounds (mean tokens emitted per round: tau + 1 except where EOS or --max-tokens cut a round, as
+        ``specadapt generate`` reports it).
 
     Raises:
         ArgumentError: any flag ``specadapt generate`` rejects (message names it).

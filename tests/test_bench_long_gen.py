@@ -444,3 +444,19 @@ def test_embedded_backend_smollm2(tmp_path, capsys):
     assert [r["output_tokens"] for r in report["requests"]] == [24, 24]
     assert report["summary"]["acceptance_length"] >= 1.0
     assert report["summary"]["acceptance_by_position"][0]["rounds"] > 0
+
+
+def test_embedded_acceptance_counts_tokens_emitted_not_gbv_drafts_past_the_cap(tiny_model_dir, tmp_path, capsys):
+    """Issue 19.1: GBV verifies L drafts whatever --max-tokens leaves; the cut tokens are not emitted."""
+    out = tmp_path / "g.json"
+    code, _, err = _run(
+        capsys, "--backend", "embedded", "--model", str(tiny_model_dir), "--draft", "self:2", "--verify", "gbv",
+        "--dataset", str(_prompt_file(tmp_path, 1)), "--max-tokens", "7", "--ignore-eos", "--temperature", "0",
+        "--num-draft-tokens", "5", "--json", str(out), "--no-progress", "--generate-args=--num-paths 2",
+    )
+    assert code == 0, err
+    report = json.loads(out.read_text())
+    req = report["requests"][0]
+    assert req["output_tokens"] == 7 and req["rounds"] == 2  # 6 tokens, then 1 of a fully accepted block
+    assert req["acceptance_length"] == 3.5
+    assert report["summary"]["acceptance_length"] == 3.5

@@ -78,3 +78,62 @@ def test_jsonl_file_and_errors(tmp_path):
     bad.write_text("{not json\n")
     with pytest.raises(DatasetError, match="line 1"):
         load_prompts(str(bad))
+
+
+def test_acceptance_counts_emitted_tokens_not_tokens_verified_past_eos_or_the_length_cap():
+    """Issue 19.1: a round cut by EOS (or max_new_tokens) counts the tokens it committed, not tau + 1."""
+    eos_round = RoundRecord(0, 5, 5, 3)  # L = 5, every draft accepted, EOS was the third token
+    assert acceptance_length([eos_round]) == 3.0
+    assert accept_rate_by_draft_position([eos_round], 5) == [1.0, 1.0, 1.0, None, None]
+    cut = RoundRecord(0, 5, 5, 4)  # GBV verifies all L drafts; max_new_tokens keeps 4
+    assert acceptance_length([cut, RoundRecord(4, 5, 1, 2)]) == 3.0
+    assert accept_rate_by_draft_position([cut, RoundRecord(4, 5, 1, 2)], 5) == [1.0, 0.5, 1.0, 1.0, None]
+    assert acceptance_by_position([eos_round], (0,))[0]["acceptance_length"] == 3.0
+
+
+def _engine_report(target, draft, rule, limit, **kw):
+    from types import SimpleNamespace
+
+    from specadapt.cli.report import build_report
+    from specadapt.engine import SpeculativeEngine
+    from specadapt.sampling import SamplingParams
+
+    engine = SpeculativeEngine(target, draft, SamplingParams(temperature=0.0), 5, rule, **kw)
+    results = engine.generate([[3, 1, 4, 1, 5]], limit)
+    target.tokenizer.decode = lambda ids, skip_special_tokens=True: " ".join(map(str, ids))
+    report = build_report({}, [SimpleNamespace(id="p0")], target.tokenizer, results, 1.0, None, None, (0,), 5)
+    return results[0], report
+
+
+def test_engine_report_and_json_count_tokens_emitted_before_eos_and_the_cap():
+    import torch
+    from conftest import loaded, tiny_llama
+
+    from specadapt.engine import ModelDraft
+    from specadapt.engine.drafts import self_draft
+    from specadapt.sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0)
+    model = tiny_llama(seed=0)
+    with torch.no_grad():
+        seq = [3, 1, 4, 1, 5]
+        for _ in range(3):
+            seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+    free = seq[5:]
+    assert free[2] not in free[:2]
+    target = loaded(model, eos=free[2])
+    draft = ModelDraft(self_draft(target, 2), greedy, torch.Generator(), "self:2")  # a copy: always accepted
+    res, report = _engine_report(target, draft, "chain", 20)
+    assert res.output_ids == free and res.finished_by_eos and len(res.rounds) == 1
+    assert res.rounds[0].accepted == 5 and res.rounds[0].emitted == 3
+    for scope in (report["summary"], report["requests"][0]):
+        assert scope["acceptance_length"] == 3.0
+        assert scope["accept_rate_by_draft_position"] == [1.0, 1.0, 1.0, None, None]
+        assert scope["acceptance_by_position"][0]["acceptance_length"] == 3.0
+
+    target = loaded(tiny_llama(seed=0))
+    draft = ModelDraft(self_draft(target, 2), greedy, torch.Generator(), "self:2")
+    res, report = _engine_report(target, draft, "gbv", 4, num_paths=2)
+    assert len(res.output_ids) == 4 and res.rounds[0].accepted == 5 and res.rounds[0].emitted == 4
+    assert report["summary"]["acceptance_length"] == 4.0
+    assert report["summary"]["accept_rate_by_draft_position"] == [1.0, 1.0, 1.0, 1.0, None]

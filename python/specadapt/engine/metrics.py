@@ -1,7 +1,10 @@
 """Acceptance statistics of speculative decoding runs.
 
-Terms (specs/verification.md): a round emits ``tau + 1`` tokens; the *acceptance length* is that number
-averaged over rounds; rounds are bucketed by the output index of the first token they emit.
+Terms (specs/verification.md): a round verifies ``tau + 1`` tokens; it *emits* (commits to the output) that many
+unless an EOS inside them or the request's ``max_new_tokens`` cuts the round short (``RoundRecord.emitted``). The
+*acceptance length* is the number of tokens emitted per round, averaged over rounds: tokens after an EOS or past
+the length cap are verified but never output, so they are not counted. Rounds are bucketed by the output index
+of the first token they emit.
 """
 
 from __future__ import annotations
@@ -14,10 +17,14 @@ DEFAULT_BUCKET_EDGES = (0, 512, 1024, 2048, 4096, 8192)
 
 
 def acceptance_length(rounds: list[RoundRecord]) -> float | None:
-    """Mean ``tau + 1`` over rounds (``None`` when there are no rounds)."""
+    """Mean tokens emitted per round (``RoundRecord.emitted``; ``None`` when there are no rounds).
+
+    Equal to the mean of ``tau + 1`` except in rounds cut by an EOS or by ``max_new_tokens``: a round that
+    accepted every one of L = 5 drafts but committed 3 tokens (EOS third) counts 3, not 6.
+    """
     if not rounds:
         return None
-    return sum(r.accepted + 1 for r in rounds) / len(rounds)
+    return sum(r.emitted for r in rounds) / len(rounds)
 
 
 def acceptance_by_position(rounds: list[RoundRecord], edges=DEFAULT_BUCKET_EDGES) -> list[dict]:
@@ -39,14 +46,19 @@ def acceptance_by_position(rounds: list[RoundRecord], edges=DEFAULT_BUCKET_EDGES
 
 
 def accept_rate_by_draft_position(rounds: list[RoundRecord], num_draft_tokens: int) -> list[float | None]:
-    """For draft position ``k = 1..L``: P(draft k accepted | draft k was verified).
+    """For draft position ``k = 1..L``: P(draft k accepted | draft k was verified and reached the output).
 
-    A draft at position ``k`` counts as accepted when ``tau >= k``. Position ``k`` is verified in every round
-    that drafted at least ``k`` tokens. ``None`` where no round verified that position.
+    Position ``k`` counts in a round that verified at least ``k`` drafts (``num_drafted >= k``) and whose
+    output was not cut before slot ``k`` (``emitted >= k``); it counts as accepted when ``tau >= k``. Drafts
+    verified past an EOS or past ``max_new_tokens`` are left out: they never reach the output, and a draft
+    after an EOS continues text that does not exist (one round accepting all of L = 5 drafts with EOS as the
+    third token contributes accepted at positions 1..3 and nothing at 4, 5). A rejected draft ``k`` always
+    counts (the round emits its correction at slot ``k``) unless the length cap fell before it. ``None`` where no
+    round counts that position.
     """
     rates: list[float | None] = []
     for k in range(1, num_draft_tokens + 1):
-        verified = [r for r in rounds if r.num_drafted >= k]
+        verified = [r for r in rounds if r.num_drafted >= k and r.emitted >= k]
         rates.append(sum(r.accepted >= k for r in verified) / len(verified) if verified else None)
     return rates
 
