@@ -221,3 +221,76 @@ def test_draft_caps_reuses_the_features_of_earlier_positions():
         assert torch.equal(a, b)
         torch.testing.assert_close(cached._round_features, fresh._round_features)
     assert cached._round_features.shape == (3, 4)
+
+
+def _one_round(tiny_target, mode, budget, estimator, costs, histories, L, seed=11):
+    av = AdaptiveVerification(estimator, costs, early_stop=mode != "full")
+    av.stale_budget = budget
+    draft = ModelDraft(self_draft(tiny_target, 1), SamplingParams(1.0), torch.Generator().manual_seed(seed), "self:1")
+    draft.draft_filter = None if mode == "full" else av.draft_caps
+    draft.start(histories)
+    proposal = draft.propose(histories, torch.full((len(histories),), L), 32)
+    caps, _, _ = av.plan(proposal.probs, proposal.num_tokens)
+    return caps, av.stale_budget
+
+
+@pytest.mark.parametrize("budget", [0, 1, 3, 6, 40])
+@pytest.mark.parametrize("seed", [11, 12])
+def test_early_stop_and_full_drafting_choose_the_same_next_budget(tiny_target, budget, seed):
+    """Issue 19.2: the next round's B* comes from the same information with and without early stop (sampled q
+    rows, coupled draft generators), and a round with B* = 0 still chooses a next B* (here > 0: a flat cost)."""
+    histories = [[1, 2, 3, 4], [5, 6], [7, 8, 9], [3, 3, 3, 3, 3]]
+    L = 5
+    estimator = AcceptanceEstimator(L, init_slope=0.4, init_intercept=0.3)
+    estimator.intercepts = torch.tensor([0.5, 0.0, -0.5, -1.0, -1.5], dtype=torch.float64)
+    for costs in (CostTable(target_ms=[1.0] * 64, draft_ms=[0.0]),
+                  CostTable(target_ms=[1.0 + 0.05 * n * n for n in range(64)], draft_ms=[0.0])):
+        caps_full, next_full = _one_round(tiny_target, "full", budget, estimator, costs, histories, L, seed)
+        caps_early, next_early = _one_round(tiny_target, "early", budget, estimator, costs, histories, L, seed)
+        assert torch.equal(caps_full, caps_early)
+        assert next_full == next_early
+        if budget == 0:
+            assert int(caps_early.sum()) == 0
+            if costs.target_ms[-1] == 1.0:
+                assert next_early > 0, "a flat cost makes drafting pay: the budget must return from 0"
+
+
+def _av_run(target, params, mode, n=24, L=3, seed=0):
+    costs = CostTable(target_ms=[1.0] * 64, draft_ms=[0.0])  # verifying is free: every draft pays
+    av = AdaptiveVerification(AcceptanceEstimator(L, refit_interval=5), costs, early_stop=mode == "early")
+    av.stale_budget = 0  # the budget starts at 0
+    draft = ModelDraft(self_draft(target, 2), params, torch.Generator().manual_seed(seed), "self:2")  # a copy
+    engine = SpeculativeEngine(target, draft, params, L, "chain", seed=seed, adaptive=av)
+    return engine, av, engine.generate(PROMPTS, n, batch_size=4)
+
+
+def test_budget_returns_from_zero_with_early_stop_greedy(tiny_target):
+    """Issue 19.2: a draft that is a copy of the target (every verified draft accepted) and a budget that
+    starts at 0: with early stop (the default) drafting resumes after the first round, rounds verify the same
+    drafts as full drafting, and a second generate() on the same engine verifies drafts too."""
+    n = 24
+    expected = [naive_greedy(tiny_target.model, p, n) for p in PROMPTS]
+    runs = {mode: _av_run(tiny_target, GREEDY, mode, n) for mode in ("early", "full")}
+    drafted = {}
+    for mode, (engine, av, results) in runs.items():
+        assert [r.output_ids for r in results] == expected
+        drafted[mode] = [[r.num_drafted for r in res.rounds] for res in results]
+        for res in results:
+            assert res.rounds[0].num_drafted == 0  # B* = 0: nothing verified in round 1
+            assert all(r.num_drafted > 0 for r in res.rounds[1:-1]), mode
+            assert all(r.accepted == r.num_drafted for r in res.rounds)
+        verified = av.verified
+        again = engine.generate(PROMPTS, n, batch_size=4)
+        assert [r.output_ids for r in again] == expected
+        assert av.verified > verified and all(r.rounds[0].num_drafted > 0 for r in again), mode
+    assert drafted["early"] == drafted["full"]
+
+
+def test_budget_returns_from_zero_with_early_stop_sampled():
+    params = SamplingParams(1.0)
+    target = loaded(tiny_llama(vocab=16, seed=3, init_std=0.3))
+    _, av, results = _av_run(target, params, "early", n=20)
+    per_round = [r.num_drafted for res in results for r in res.rounds[1:]]
+    assert sum(per_round) > 0.5 * 3 * len(per_round), "drafting must resume after the B* = 0 round"
+    accepted = sum(r.accepted for res in results for r in res.rounds)
+    assert accepted > 0.9 * av.verified  # a copy of the target: (nearly) every verified draft accepted

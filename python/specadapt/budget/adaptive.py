@@ -4,6 +4,16 @@ Per round: features ``logit(q_max)`` of the draft's q rows -> predicted acceptan
 drafts each request verifies is its share of the global top-B* slots, with ``B*`` chosen from the PREVIOUS
 round's survivals (exactness, see :mod:`specadapt.budget.budget`); after verification the outcomes train the
 estimator. Used by the embedded engine (``specadapt.engine``) and the SGLang plugin (``specadapt.sglang``).
+
+Which survivals choose the next ``B*`` (``budget_from_verified``, the engine's default): those of the slots the
+round verified -- at least position 1 of every request that could draft, whose q row the draft always computes
+-- and, beyond them up to the request's proposed depth, survivals extrapolated with the estimator at the feature
+of the request's last such slot. That is the information early stop of drafting (:meth:`AdaptiveVerification.
+draft_caps`) always has, so drafting with and without early stop choose the same ``B*`` round after round (with
+equal costs) and hence verify the same caps; and a round with ``B* = 0`` still knows position 1 of every
+request, so the budget can return from 0 (issue 19). Choosing it from the drafted slots only, as before, let
+early stop ratchet ``B*`` down: slots early stop did not draft have survival 0, so ``B*`` could never exceed the
+previous one, and one round with ``B* = 0`` stopped drafting for good.
 """
 
 from __future__ import annotations
@@ -34,6 +44,10 @@ class AdaptiveVerification:
             (:meth:`draft_caps`; ``--av-no-early-stop`` turns it off to measure its effect).
         draft_log: an open text file receiving one JSON line per verified draft (see
             :mod:`specadapt.estimator.evaluation`), or ``None``.
+        budget_from_verified: choose the next ``B*`` from the verified slots' survivals (at least position 1
+            of each request) extrapolated to the proposed depth (see the module docstring; the same in both
+            early-stop modes); ``False`` ranks every proposed slot's survival (the SGLang plugin, whose draft
+            always runs every step).
     """
 
     estimator: AcceptanceEstimator
@@ -46,8 +60,10 @@ class AdaptiveVerification:
     early_stop: bool = True  # stop drafting a row once its next slot cannot be verified (draft_caps)
     draft_log: object = None  # an open text file: one JSON line per verified draft (--log-drafts)
     rounds: int = 0
+    budget_from_verified: bool = True
     _plan_refits: int = 0
     _round_features: torch.Tensor | None = None  # draft_caps' features of the positions drafted so far
+    _round_proposed: torch.Tensor | None = None  # draft_caps' num_drafts at step 0: the depth each row proposed
 
     def plan(self, draft_probs: torch.Tensor, num_drafts: torch.Tensor):
         """Decide how many drafts each request verifies.
@@ -56,13 +72,15 @@ class AdaptiveVerification:
             draft_probs: ``[B, L, V]`` q rows of the proposal.
             num_drafts: ``[B]`` drafts proposed.
 
+        Also chooses the ``B*`` of the next round (module docstring), also when the proposal has width 0
+        (every row stopped by :meth:`draft_caps` at position 1: the features it computed there are used).
+
         Returns:
             ``(num_verify [B] int64, features [B, L], predictions [B, L])``.
         """
         batch, width = draft_probs.shape[:2]
         if width == 0:
-            empty = torch.zeros(batch, 0)
-            return num_drafts.clone(), empty, empty.double()
+            return self.plan_features(torch.zeros(batch, 0), num_drafts)
         return self.plan_features(feature_from_probs(draft_probs), num_drafts)
 
     def plan_features(self, features: torch.Tensor, num_drafts: torch.Tensor):
@@ -76,10 +94,44 @@ class AdaptiveVerification:
             num_verify = torch.minimum(allocate_prefixes(surv, self.stale_budget), num_drafts)
         # with early stop the draft runs only as deep as the budget reaches: cost the depth (L = estimator's K)
         steps = self.estimator.num_positions if self.early_stop else None
+        if self.budget_from_verified:
+            # draft_caps' features / proposed depths when early stop ran this round; else the proposal's own
+            known = self._round_features if self._round_features is not None else features
+            proposed = self._round_proposed if self._round_proposed is not None else num_drafts
+            surv = self.extrapolated_survival(known, proposed, num_verify)
+        self._round_features = self._round_proposed = None
         self.stale_budget = choose_budget(surv, self.costs, draft_steps=steps)
         self.pruned += int((num_drafts - num_verify).sum())
         self.verified += int(num_verify.sum())
         return num_verify, features, predictions
+
+    def extrapolated_survival(self, features: torch.Tensor, proposed: torch.Tensor,
+                              num_verify: torch.Tensor) -> torch.Tensor:
+        """Survivals that choose the next ``B*`` (``budget_from_verified``): known slots, then extrapolated.
+
+        Row ``r`` knows its first ``k_r = min(max(num_verify_r, 1), proposed_r, W)`` features (the verified
+        slots, at least position 1); slot ``j >= k_r`` up to ``proposed_r`` is predicted with the feature of slot
+        ``k_r - 1`` (``sigmoid(omega f + beta_j)``), the draft's confidence carried forward. A row with no known
+        feature (``k_r = 0``) contributes nothing.
+
+        Args:
+            features: ``[B, W]`` features of the positions drafted this round (``W`` may be 0).
+            proposed: ``[B]`` int64 depth each row proposed (before any early stop), ``<= L``.
+            num_verify: ``[B]`` int64 drafts each row verifies this round.
+
+        Returns:
+            ``[B, max(proposed)]`` float64 survivals (0 past ``proposed`` and for rows without a known feature).
+        """
+        batch, known_width = features.shape[:2]
+        width = int(proposed.max()) if proposed.numel() else 0
+        if width == 0 or known_width == 0:
+            return torch.zeros(batch, width, dtype=torch.float64)
+        known = torch.minimum(torch.minimum(num_verify.clamp_min(1), proposed), torch.tensor(known_width))
+        last = (known - 1).clamp_min(0)
+        index = torch.minimum(torch.arange(width)[None, :], last[:, None]).clamp(max=known_width - 1)
+        extended = features.to(torch.float64).gather(1, index)
+        live = torch.where(known > 0, proposed, torch.zeros_like(proposed))
+        return survival(self.estimator.predict(extended), live)
 
     def draft_caps(self, step: int, draft_probs: torch.Tensor, num_drafts: torch.Tensor,
                    lookahead: bool = True) -> torch.Tensor:
@@ -115,6 +167,8 @@ class AdaptiveVerification:
         keep = num_drafts > step
         if self.stale_budget is None or not self.prune or not bool(keep.any()):
             return num_drafts.clone()
+        if step == 0:
+            self._round_proposed = num_drafts.clone()  # for plan(): the depth each row proposed
         features = self._draft_features(step, draft_probs)
         surv = survival(self.estimator.predict(features), torch.clamp(num_drafts, max=step + 1))  # [B, step+1]
         known = torch.arange(step + 1)[None, :] < torch.clamp(num_drafts, max=step + 1)[:, None]
@@ -153,10 +207,11 @@ class AdaptiveVerification:
         """Feed verified outcomes back to the estimator: ``features [B, L]``, ``predictions [B, L]`` from
         :meth:`plan`, ``accept_len [B]`` (tau) and ``num_verify [B]`` (drafts verified) int64."""
         self.rounds += 1
-        if features.shape[1] > 0:
-            if self.draft_log is not None:
-                self._log(features, predictions, accept_len, num_verify)
-            self.estimator.observe(features, predictions, accept_len, num_verify)
+        if features.shape[1] > 0 and self.draft_log is not None:
+            self._log(features, predictions, accept_len, num_verify)
+        # every round is a step of the estimator's refit schedule, also one that verified nothing (a width-0
+        # proposal under early stop), so both early-stop modes refit at the same rounds
+        self.estimator.observe(features, predictions, accept_len, num_verify)
 
     def _log(self, features, predictions, accept_len, num_verify) -> None:
         """One JSON line per verified draft up to and including the first rejection (the estimator's labels)."""

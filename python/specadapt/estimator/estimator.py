@@ -65,9 +65,12 @@ class AcceptanceEstimator:
 
     def observe(self, features: torch.Tensor, predictions: torch.Tensor, accepted: torch.Tensor,
                 verified: torch.Tensor) -> None:
-        """Accumulate one step's verified drafts (``[B, K]``, ``[B, K]``, ``[B]``, ``[B]``); refit every N steps."""
+        """Accumulate one step's verified drafts (``[B, K]``, ``[B, K]``, ``[B]``, ``[B]``); refit every N steps.
+
+        ``K = 0`` (nothing drafted this step) still counts as a step of the refit schedule."""
         k = features.shape[-1]
-        self.stats[:k] += self._accumulate(features, predictions, accepted, verified).to(self.stats)
+        if k > 0:
+            self.stats[:k] += self._accumulate(features, predictions, accepted, verified).to(self.stats)
         self.steps += 1
         if self.steps % self.refit_interval == 0:
             self.refit()
