@@ -8,7 +8,8 @@ vocabulary ``V``:
 - ``draft_probs [B, L, V]`` float: row ``i`` is ``q(. | X^i)``, the law drafted token ``i+1`` was sampled from.
 - ``uniforms [B, L]`` and ``uniforms_final [B]``: the coins, in ``[0, 1)``.
 - ``num_draft_tokens [B] int`` (optional, this package's extension for ragged batches): request ``b`` only
-  drafted ``num_draft_tokens[b] <= L`` tokens; slots past it are ignored.
+  drafted ``num_draft_tokens[b] <= L`` tokens; slots past it are ignored: their ids may be anything (padding
+  such as -1), their p / q rows and coins are never read.
 
 Outputs: ``accept_len [B] int32`` (tau) and ``output_tokens [B, L+1] int32`` (accepted drafts, then the extra
 token, padded with -1).
@@ -164,6 +165,8 @@ def check_inputs(
         live = torch.arange(num_drafts, device=device)[None, :] < num_draft_tokens[:, None]
         bad_ids = live & ((drafts < 0) | (drafts >= vocab))
         _require(not bool(bad_ids.any()), f"candidates holds draft token ids outside [0, V) = [0, {vocab})")
+        # padding past num_draft_tokens is never read: stand it in by id 0 so gathers stay in range
+        drafts = torch.where(live, drafts, torch.zeros_like(drafts))
     uniforms64 = uniforms.to(torch.float64)
     final64 = uniforms_final.to(torch.float64)
     for name, u in (("uniforms", uniforms64), ("uniforms_final", final64)):

@@ -1,0 +1,52 @@
+"""One contract for the float64 references and the compiled kernels (issue 19, items 3-5 and 7): padded draft ids,
+GBV shape checks, row sums of p and q, dtype / slot-0 / V = 0 checks."""
+
+import pytest
+import torch
+
+from batches import random_batch
+from specadapt import kernels
+from specadapt.verification import VERIFY_RULES
+from specadapt.verification.gbv import gbv_verify as gbv_reference
+
+RULES = sorted(VERIFY_RULES)
+needs_compiled = pytest.mark.skipif(not kernels.has_op_for("chain_verify", torch.device("cpu")),
+                                    reason="specadapt._C is not built")
+
+
+# ---- item 3: padded (-1) draft ids past num_draft_tokens ------------------------------------------------------
+def _padded_batch(seed=0):
+    cand, p, q, u, uf = random_batch(4, 3, 9, seed)
+    n = torch.tensor([3, 1, 0, 2])
+    for b, k in enumerate(n.tolist()):
+        cand[b, k + 1 :] = -1  # padding, as ragged batches and SGLang's layout write it
+    return cand, p, q, u, uf, n
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16])
+def test_reference_ignores_padded_draft_ids_past_num_draft_tokens(rule, dtype):
+    cand, p, q, u, uf, n = _padded_batch()
+    out = VERIFY_RULES[rule](cand, p.to(dtype), q.to(dtype), u, uf, num_draft_tokens=n)
+    for b, k in enumerate(n.tolist()):  # each row equals the call truncated to its own drafts
+        ref = VERIFY_RULES[rule](cand[b : b + 1, : k + 1], p[b : b + 1, : k + 1].to(dtype),
+                                 q[b : b + 1, :k].to(dtype), u[b : b + 1, :k], uf[b : b + 1])
+        assert int(out.accept_len[b]) == int(ref.accept_len[0])
+        assert out.output_tokens[b, : k + 1].tolist() == ref.output_tokens[0].tolist()
+        assert (out.output_tokens[b, k + 1 :] == -1).all()
+    auto = kernels.verify(rule, cand, p.to(dtype), q.to(dtype), u, uf, n, impl="auto")  # float64/16: the reference
+    assert torch.equal(auto.output_tokens, out.output_tokens)
+
+
+@needs_compiled
+@pytest.mark.parametrize("rule", RULES)
+def test_padded_draft_ids_give_the_same_tokens_in_reference_and_compiled_kernel(rule):
+    cand, p, q, u, uf, n = _padded_batch(3)
+    ref = VERIFY_RULES[rule](cand, p, q, u, uf, num_draft_tokens=n)
+    got = kernels.verify(rule, cand, p, q, u, uf, n, impl="compiled")
+    assert torch.equal(ref.accept_len, got.accept_len) and torch.equal(ref.output_tokens, got.output_tokens)
+    live_bad = cand.clone()
+    live_bad[1, 1] = -1  # a LIVE slot with a padding id still raises in both
+    for impl in ("reference", "compiled"):
+        with pytest.raises(ValueError, match="outside"):
+            kernels.verify(rule, live_bad, p, q, u, uf, n, impl=impl)
