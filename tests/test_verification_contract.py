@@ -50,3 +50,35 @@ def test_padded_draft_ids_give_the_same_tokens_in_reference_and_compiled_kernel(
     for impl in ("reference", "compiled"):
         with pytest.raises(ValueError, match="outside"):
             kernels.verify(rule, live_bad, p, q, u, uf, n, impl=impl)
+
+
+# ---- item 4: GBV shape checks before any reshape ---------------------------------------------------------------
+def _gbv_batch(B=3, K=2, L=2, V=7, seed=0):
+    return random_batch(B, L, V, seed, K=K)
+
+
+def _gbv_shape_cases():
+    cand, p, q, u, uf = _gbv_batch()
+    B, K = cand.shape[:2]
+    return [
+        ((cand, p[:, :1], q, u, uf), "target_probs"),  # wrong K in target_probs
+        ((cand, p.transpose(0, 1).contiguous(), q, u, uf), "target_probs"),  # [K, B, ...]: same B x K
+        ((cand, p, q.transpose(0, 1).contiguous(), u, uf), "draft_probs"),
+        ((cand, p, q[:, :, :1], u, uf), "draft_probs"),
+        ((cand, p, q[..., :5], u, uf), "draft_probs"),
+        ((cand, p[..., :0], q[..., :0], u, uf), "target_probs"),  # V = 0
+        ((cand, p, q, u, uf.repeat(K)), "uniforms_final"),
+        ((cand, p, q, u.repeat(K, 1), uf), "uniforms"),
+        ((cand[:, :, 0], p, q, u, uf), "candidates"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(9))
+def test_gbv_reference_checks_shapes_naming_the_argument(case):
+    args, needle = _gbv_shape_cases()[case]
+    pattern = f"^{needle} must"  # the shape message, not a later error that happens to name the argument
+    with pytest.raises(ValueError, match=pattern):
+        gbv_reference(*args)
+    if kernels.has_op_for("gbv_verify", torch.device("cpu")):
+        with pytest.raises(ValueError, match=pattern):
+            kernels.gbv_verify(*args, impl="compiled")

@@ -132,7 +132,7 @@ def check_inputs(
         f"got {tuple(target_probs.shape)}",
     )
     vocab = target_probs.shape[2]
-    _require(vocab >= 1, "target_probs has an empty vocabulary dimension")
+    _require(vocab >= 1, f"target_probs must have a vocabulary of V >= 1 entries, got {tuple(target_probs.shape)}")
     _require(
         draft_probs.dim() == 3 and tuple(draft_probs.shape) == (batch, num_drafts, vocab),
         f"draft_probs must be [B, L, V] = [{batch}, {num_drafts}, {vocab}], got {tuple(draft_probs.shape)}",

@@ -100,6 +100,33 @@ def gbv_select(
     return chosen, q_g
 
 
+def _check_gbv_shapes(candidates, target_probs, draft_probs, uniforms, uniforms_final) -> None:
+    """The multi-path layout, checked before anything is reshaped (as the compiled op does): a wrong K, or
+    ``[K, B, ...]`` tensors holding the same B x K rows, would otherwise reshape into wrong rows silently."""
+    for name, t in (("candidates", candidates), ("target_probs", target_probs), ("draft_probs", draft_probs),
+                    ("uniforms", uniforms), ("uniforms_final", uniforms_final)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if candidates.dim() != 3:
+        raise ValueError(f"candidates must be [B, K, L+1] for GBV, got shape {tuple(candidates.shape)}")
+    batch, num_paths, slots = candidates.shape
+    if num_paths < 1 or slots < 1:
+        raise ValueError(f"candidates must hold K >= 1 paths of L+1 >= 1 slots, got shape {tuple(candidates.shape)}")
+    if target_probs.dim() != 4 or tuple(target_probs.shape[:3]) != (batch, num_paths, slots):
+        raise ValueError(f"target_probs must be [B, K, L+1, V] = [{batch}, {num_paths}, {slots}, V] (B, K, L+1 from "
+                         f"candidates), got {tuple(target_probs.shape)}")
+    vocab = target_probs.shape[3]
+    if vocab < 1:
+        raise ValueError(f"target_probs must have a vocabulary of V >= 1 entries, got {tuple(target_probs.shape)}")
+    if tuple(draft_probs.shape) != (batch, num_paths, slots - 1, vocab):
+        raise ValueError(f"draft_probs must be [B, K, L, V] = [{batch}, {num_paths}, {slots - 1}, {vocab}], got "
+                         f"{tuple(draft_probs.shape)}")
+    if tuple(uniforms.shape) != (batch, slots - 1):
+        raise ValueError(f"uniforms must be [B, L] = [{batch}, {slots - 1}], got {tuple(uniforms.shape)}")
+    if tuple(uniforms_final.shape) != (batch,):
+        raise ValueError(f"uniforms_final must be [B] = [{batch}], got {tuple(uniforms_final.shape)}")
+
+
 def gbv_verify(
     candidates: torch.Tensor,
     target_probs: torch.Tensor,
@@ -123,27 +150,19 @@ def gbv_verify(
         :class:`GBVOutput` (``accept_len [B]``, ``output_tokens [B, L+1]``, ``chosen_path [B]``, int32).
 
     Raises:
-        ValueError / TypeError: wrong ranks/shapes/dtypes/devices, ids outside ``[0, V)``, coins outside
-            ``[0, 1)``; the message names the argument.
+        ValueError: wrong ranks / shapes (checked on the ``[B, K, ...]`` layout before any reshape, so ``[K, B,
+            ...]`` tensors are refused), dtypes, devices, ids outside ``[0, V)``, coins outside ``[0, 1)``; the
+            message names the argument.
+        TypeError: an argument that is not a tensor.
     """
-    if not isinstance(candidates, torch.Tensor) or candidates.dim() != 3:
-        raise ValueError("candidates must be a [B, K, L+1] tensor for GBV")
+    _check_gbv_shapes(candidates, target_probs, draft_probs, uniforms, uniforms_final)
     batch, num_paths, slots = candidates.shape
-    if num_paths < 1:
-        raise ValueError("candidates must hold at least one path (K >= 1)")
-    if not isinstance(target_probs, torch.Tensor) or target_probs.dim() != 4:
-        raise ValueError("target_probs must be a [B, K, L+1, V] tensor for GBV")
-    if not isinstance(draft_probs, torch.Tensor) or draft_probs.dim() != 4:
-        raise ValueError("draft_probs must be a [B, K, L, V] tensor for GBV")
-    if not isinstance(uniforms, torch.Tensor) or tuple(uniforms.shape) != (batch, slots - 1):
-        raise ValueError(f"uniforms must be [B, L] = [{batch}, {slots - 1}]")
     flat = check_inputs(
         candidates.reshape(batch * num_paths, slots),
         target_probs.reshape(batch * num_paths, *target_probs.shape[2:]),
         draft_probs.reshape(batch * num_paths, *draft_probs.shape[2:]),
         uniforms.repeat_interleave(num_paths, dim=0),
-        uniforms_final.repeat_interleave(num_paths, dim=0) if isinstance(uniforms_final, torch.Tensor)
-        else uniforms_final,
+        uniforms_final.repeat_interleave(num_paths, dim=0),
         debug=debug,
     )
     vocab = flat.target_probs.shape[-1]
