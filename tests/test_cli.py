@@ -157,3 +157,21 @@ def test_generate_with_tts(capsys, tiny_model_dir, tmp_path, params):
 def test_eagle_needs_a_head_for_other_targets(capsys, tiny_model_dir):
     code, _, err = _run(capsys, "--model", str(tiny_model_dir), "--draft", "eagle", "--limit", "1")
     assert code == 2 and "--draft eagle" in err and "eagle:PATH" in err
+
+
+def test_tiny_temperature_is_greedy_and_bad_ones_are_one_line(capsys, tiny_model_dir, tmp_path):
+    """Issue 19.6: --temperature 1e-39 overflowed logits / T (NaN, a traceback in torch.multinomial)."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"q": "what is the sum of two and three"}) + "\n")
+    outputs = {}
+    for temperature in ("0", "1e-39", "1e-45"):
+        out = tmp_path / f"t{temperature}.json"
+        code, _, err = _run(capsys, "--model", str(tiny_model_dir), "--draft", "self:1", "--dataset", str(data),
+                            "--prompt-field", "q", "--max-new-tokens", "12", "--temperature", temperature,
+                            "--json", str(out))
+        assert code == 0, err
+        outputs[temperature] = json.loads(out.read_text())["requests"][0]["text"]
+    assert outputs["1e-39"] == outputs["0"] == outputs["1e-45"]
+    for bad in ("inf", "nan", "-1e-39"):
+        code, _, err = _run(capsys, "--model", str(tiny_model_dir), "--temperature", bad, "--limit", "1")
+        assert code == 2 and "--temperature" in err and len(err.strip().splitlines()) == 1, err

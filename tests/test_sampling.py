@@ -43,3 +43,27 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
 def test_bad_params(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 1e-38, 1e-20, 5e-7])
+def test_temperatures_below_the_greedy_threshold_are_greedy(temperature):
+    """Issue 19.6: logits / T overflowed to inf for T <= ~1e-38 (NaN probabilities); below GREEDY_TEMPERATURE
+    (1e-6, SGLang's rule) the transform is greedy: one-hot on the first argmax, finite."""
+    from specadapt.sampling import GREEDY_TEMPERATURE
+
+    assert temperature < GREEDY_TEMPERATURE
+    params = SamplingParams(temperature, top_p=0.9, top_k=3)
+    assert params.greedy and params.temperature == 0.0
+    logits = torch.tensor([[10.0, 30.0, 30.0, -5.0], [3e4, -3e4, 0.0, 1.0]])
+    probs = logits_to_probs(logits, params)
+    assert torch.equal(probs, logits_to_probs(logits, SamplingParams(0.0)))
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]))
+
+
+def test_temperature_at_the_threshold_samples():
+    from specadapt.sampling import GREEDY_TEMPERATURE
+
+    params = SamplingParams(GREEDY_TEMPERATURE)
+    assert not params.greedy
+    probs = logits_to_probs(torch.tensor([[1.0, 1.0 + 1e-6, -2.0]]), params)
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(1))

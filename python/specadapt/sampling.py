@@ -11,7 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SamplingParams", "logits_to_probs"]
+__all__ = ["GREEDY_TEMPERATURE", "SamplingParams", "logits_to_probs"]
+
+#: Temperatures below this are greedy (SGLang's ``_SAMPLING_EPS`` rule, so the plugin and the engine agree). Far
+#: above the float32 overflow of ``logits / T`` (T <= ~1e-38 made every probability NaN), and far below any
+#: temperature that samples differently from greedy except between logits closer than float32 resolves.
+GREEDY_TEMPERATURE = 1e-6
 
 
 @dataclass(frozen=True)
@@ -19,9 +24,13 @@ class SamplingParams:
     """Sampling settings of a run.
 
     Attributes:
-        temperature: >= 0; 0 means greedy (a one-hot distribution on the argmax, lowest id on ties).
+        temperature: >= 0; 0 means greedy (a one-hot distribution on the argmax, lowest id on ties). A
+            temperature below :data:`GREEDY_TEMPERATURE` (1e-6) is greedy too and is stored as 0.
         top_p: nucleus mass in (0, 1]; 1 disables it.
         top_k: keep the k most likely tokens; 0 disables it.
+
+    Raises:
+        ValueError: a negative, NaN or infinite temperature, ``top_p`` outside (0, 1], ``top_k < 0``.
     """
 
     temperature: float = 1.0
@@ -31,6 +40,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not (self.temperature >= 0) or self.temperature == float("inf"):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.temperature < GREEDY_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)  # greedy: logits / T would overflow for tiny T
         if not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -49,7 +60,8 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         params: the run's :class:`SamplingParams`.
 
     Returns:
-        ``[..., V] float32`` probabilities summing to 1 over the last axis. Greedy gives one-hot rows.
+        ``[..., V] float32`` probabilities summing to 1 over the last axis. Greedy (temperature below
+        :data:`GREEDY_TEMPERATURE`) gives one-hot rows.
         Top-k keeps ties at the k-th value; top-p keeps the smallest prefix of the sorted distribution whose
         mass reaches ``top_p`` (at least one token).
     """

@@ -129,8 +129,8 @@ def add_parser(sub) -> None:
 def _validate(args) -> list[int]:
     if args.num_draft_tokens < 1:
         raise UsageError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
-    if not args.temperature >= 0:
-        raise UsageError(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 <= args.temperature < float("inf"):
+        raise UsageError(f"--temperature must be a finite number >= 0 (below 1e-6 = greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must lie in (0, 1], got {args.top_p}")
     if args.top_k < 0:

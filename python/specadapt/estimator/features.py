@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..sampling import GREEDY_TEMPERATURE
+
 __all__ = ["FEATURE_CLAMP", "draft_confidence_feature", "feature_from_probs"]
 
 FEATURE_CLAMP = 40.0
@@ -18,7 +20,8 @@ def draft_confidence_feature(draft_logits: torch.Tensor, temperature: float) -> 
 
     Args:
         draft_logits: ``[..., V]`` float logits of the draft.
-        temperature: the draft's sampling temperature; 0 (greedy, q one-hot) gives +40.
+        temperature: the draft's sampling temperature; 0 or below ``GREEDY_TEMPERATURE`` (1e-6: greedy, q
+            one-hot, as :class:`specadapt.sampling.SamplingParams` treats it) gives +40.
 
     Returns:
         ``[...] float32``. NaN logits give NaN features, which the estimator ignores (never fits on them).
@@ -31,7 +34,7 @@ def draft_confidence_feature(draft_logits: torch.Tensor, temperature: float) -> 
     if draft_logits.shape[-1] < 1:
         raise ValueError("draft_logits has an empty vocabulary dimension")
     z = draft_logits.float()
-    if temperature == 0:
+    if temperature < GREEDY_TEMPERATURE:
         f = torch.full(z.shape[:-1], FEATURE_CLAMP, dtype=torch.float32, device=z.device)
         return torch.where(torch.isnan(z).any(dim=-1), torch.full_like(f, float("nan")), f)
     z = z / temperature
