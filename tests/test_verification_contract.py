@@ -4,7 +4,7 @@ GBV shape checks, row sums of p and q, dtype / slot-0 / V = 0 checks."""
 import pytest
 import torch
 
-from batches import random_batch
+from batches import random_batch, tree_batch
 from specadapt import kernels
 from specadapt.verification import VERIFY_RULES
 from specadapt.verification.gbv import gbv_verify as gbv_reference
@@ -54,7 +54,7 @@ def test_padded_draft_ids_give_the_same_tokens_in_reference_and_compiled_kernel(
 
 # ---- item 4: GBV shape checks before any reshape ---------------------------------------------------------------
 def _gbv_batch(B=3, K=2, L=2, V=7, seed=0):
-    return random_batch(B, L, V, seed, K=K)
+    return tree_batch(B, K, L, V, seed, torch.float32)
 
 
 def _gbv_shape_cases():
@@ -82,3 +82,52 @@ def test_gbv_reference_checks_shapes_naming_the_argument(case):
     if kernels.has_op_for("gbv_verify", torch.device("cpu")):
         with pytest.raises(ValueError, match=pattern):
             kernels.gbv_verify(*args, impl="compiled")
+
+
+# ---- item 7: dtype match, slot-0 ids, V = 0 --------------------------------------------------------------------
+@pytest.mark.parametrize("rule", RULES + ["gbv"])
+@pytest.mark.parametrize("impl", ["reference", "compiled"])
+def test_draft_probs_of_another_dtype_are_refused_by_every_implementation(rule, impl):
+    if impl == "compiled" and not kernels.has_op_for("chain_verify", torch.device("cpu")):
+        pytest.skip("specadapt._C is not built")
+    if rule == "gbv":
+        cand, p, q, u, uf = _gbv_batch()
+        call = lambda q_: kernels.gbv_verify(cand, p, q_, u, uf, impl=impl)  # noqa: E731
+    else:
+        cand, p, q, u, uf = random_batch(3, 2, 7, 1)
+        call = lambda q_: kernels.verify(rule, cand, p, q_, u, uf, impl=impl)  # noqa: E731
+    call(q)
+    for other in (torch.float64, torch.bfloat16):
+        with pytest.raises(ValueError, match="draft_probs dtype must match target_probs"):
+            call(q.to(other))
+
+
+@pytest.mark.parametrize("rule", RULES + ["gbv"])
+@pytest.mark.parametrize("impl", ["reference", "compiled"])
+@pytest.mark.parametrize("bad", [-1, 7])
+def test_out_of_range_id_in_slot_0_raises(rule, impl, bad):
+    """Slot 0 (the last committed token) is an id like the drafts: outside [0, V) it raises, as the docs say."""
+    if impl == "compiled" and not kernels.has_op_for("chain_verify", torch.device("cpu")):
+        pytest.skip("specadapt._C is not built")
+    if rule == "gbv":
+        cand, p, q, u, uf = _gbv_batch(V=7)
+        cand[1, :, 0] = bad
+        call = lambda: kernels.gbv_verify(cand, p, q, u, uf, impl=impl)  # noqa: E731
+    else:
+        cand, p, q, u, uf = random_batch(3, 2, 7, 1)
+        cand[1, 0] = bad
+        call = lambda: kernels.verify(rule, cand, p, q, u, uf, impl=impl)  # noqa: E731
+    with pytest.raises(ValueError, match="candidates holds token ids outside"):
+        call()
+
+
+@needs_compiled
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("L", [0, 2])
+def test_empty_vocabulary_names_target_probs_in_every_implementation(rule, L):
+    cand = torch.zeros(2, L + 1, dtype=torch.int64)
+    p, q = torch.zeros(2, L + 1, 0), torch.zeros(2, L, 0)
+    u, uf = torch.rand(2, L), torch.rand(2)
+    for impl in ("reference", "compiled"):
+        with pytest.raises(ValueError, match="^target_probs must have a vocabulary of V >= 1"):
+            kernels.verify(rule, cand, p, q, u, uf, impl=impl)

@@ -20,6 +20,7 @@ inline void check_verify_args(const at::Tensor& candidates, const at::Tensor& ta
               "target_probs must be [B, L+1, V] = [", B, ", ", slots, ", V] (B, L+1 from candidates), got ",
               target_probs.sizes());
   const int64_t V = target_probs.size(2);
+  TORCH_CHECK(V >= 1, "target_probs must have a vocabulary of V >= 1 entries, got ", target_probs.sizes());
   TORCH_CHECK(draft_probs.dim() == 3 && draft_probs.size(0) == B && draft_probs.size(1) == L && draft_probs.size(2) == V,
               "draft_probs must be [B, L, V] = [", B, ", ", L, ", ", V, "], got ", draft_probs.sizes());
   TORCH_CHECK(target_probs.scalar_type() == at::kFloat || target_probs.scalar_type() == at::kBFloat16,
@@ -65,7 +66,8 @@ inline void check_gbv_args(const at::Tensor& candidates, const at::Tensor& targe
               "draft_probs must be [B, K, L, V] = [", B, ", ", K, ", ", L, ", ", V, "], got ", draft_probs.sizes());
   TORCH_CHECK(target_probs.scalar_type() == at::kFloat || target_probs.scalar_type() == at::kBFloat16,
               "target_probs must be float32 or bfloat16, got ", target_probs.scalar_type());
-  TORCH_CHECK(draft_probs.scalar_type() == target_probs.scalar_type(), "draft_probs dtype must match target_probs");
+  TORCH_CHECK(draft_probs.scalar_type() == target_probs.scalar_type(), "draft_probs dtype must match target_probs (",
+              target_probs.scalar_type(), "), got ", draft_probs.scalar_type());
   TORCH_CHECK(uniforms.dim() == 2 && uniforms.size(0) == B && uniforms.size(1) == L, "uniforms must be [B, L] = [", B,
               ", ", L, "], got ", uniforms.sizes());
   TORCH_CHECK(uniforms_final.dim() == 1 && uniforms_final.size(0) == B, "uniforms_final must be [B] = [", B,

@@ -110,9 +110,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gbv_verify_cpu(const at::Tensor& 
   const auto u = uniforms.to(at::kDouble).contiguous();
   const auto uf = uniforms_final.to(at::kDouble).contiguous();
   const int64_t* c = cand.data_ptr<int64_t>();
-  for (int64_t i = 0; i < B * K * (L + 1); ++i) {
-    if (i % (L + 1) == 0) continue;
-    TORCH_CHECK(c[i] >= 0 && c[i] < V, "candidates holds draft token ids outside [0, V) = [0, ", V, ")");
+  for (int64_t i = 0; i < B * K * (L + 1); ++i) {  // slot 0 (the last committed token) and every draft
+    TORCH_CHECK(c[i] >= 0 && c[i] < V, "candidates holds token ids outside [0, V) = [0, ", V, ")",
+                i % (L + 1) == 0 ? " in slot 0 (the last committed token)" : " among the drafts");
   }
   TORCH_CHECK(((u >= 0) & (u < 1)).all().item<bool>(), "uniforms must lie in [0, 1)");
   TORCH_CHECK(((uf >= 0) & (uf < 1)).all().item<bool>(), "uniforms_final must lie in [0, 1)");

@@ -23,7 +23,8 @@ struct Views {
   int64_t B, L, V;
 };
 
-// Host-side validation of ids and coins (cheap: B * L values) and contiguous float64 copies of the coins.
+// Host-side validation of ids (slot 0 and the live drafts; padding past num_draft_tokens is never read) and coins
+// (cheap: B * L values), and contiguous float64 copies of the coins.
 Views prepare(const at::Tensor& candidates, const at::Tensor& target_probs, const at::Tensor& draft_probs,
               const at::Tensor& uniforms, const at::Tensor& uniforms_final,
               const c10::optional<at::Tensor>& num_draft_tokens) {
@@ -46,11 +47,14 @@ Views prepare(const at::Tensor& candidates, const at::Tensor& target_probs, cons
   for (int64_t b = 0; b < v.B; ++b) {
     TORCH_CHECK(n[b] >= 0 && n[b] <= v.L, "num_draft_tokens must lie in [0, L] = [0, ", v.L, "]");
     TORCH_CHECK(uf[b] >= 0.0 && uf[b] < 1.0, "uniforms_final must lie in [0, 1)");
+    const int64_t last = c[b * (v.L + 1)];
+    TORCH_CHECK(last >= 0 && last < v.V, "candidates holds token ids outside [0, V) = [0, ", v.V,
+                ") in slot 0 (the last committed token)");
     for (int64_t i = 0; i < v.L; ++i) {
       TORCH_CHECK(u[b * v.L + i] >= 0.0 && u[b * v.L + i] < 1.0, "uniforms must lie in [0, 1)");
       if (i < n[b]) {
         const int64_t x = c[b * (v.L + 1) + i + 1];
-        TORCH_CHECK(x >= 0 && x < v.V, "candidates holds draft token ids outside [0, V) = [0, ", v.V, ")");
+        TORCH_CHECK(x >= 0 && x < v.V, "candidates holds token ids outside [0, V) = [0, ", v.V, ") among the drafts");
       }
     }
   }

@@ -100,9 +100,11 @@ def check_inputs(
     """Validate the verification contract and convert to float64.
 
     Raises:
-        ValueError: wrong ranks/shapes, non-float probabilities, token ids outside ``[0, V)``, coins outside
-            ``[0, 1)``, ``num_draft_tokens`` outside ``[0, L]``, NaN/inf/negative target probabilities when
-            ``debug`` is set. Every message names the offending argument.
+        ValueError: wrong ranks/shapes, ``V = 0``, non-float probabilities, ``draft_probs`` of another dtype than
+            ``target_probs``, token ids outside ``[0, V)`` (slot 0 and the live drafts; padding past
+            ``num_draft_tokens`` is never read), coins outside ``[0, 1)``, ``num_draft_tokens`` outside ``[0, L]``,
+            NaN/inf/negative target probabilities when ``debug`` is set. Every message names the offending
+            argument.
         TypeError: tensors that are not ``torch.Tensor``.
     """
     named = {
@@ -140,6 +142,10 @@ def check_inputs(
     for name in ("target_probs", "draft_probs", "uniforms", "uniforms_final"):
         _require(named[name].is_floating_point(), f"{name} must be a floating tensor, got {named[name].dtype}")
     _require(
+        draft_probs.dtype == target_probs.dtype,
+        f"draft_probs dtype must match target_probs ({target_probs.dtype}), got {draft_probs.dtype}",
+    )
+    _require(
         tuple(uniforms.shape) == (batch, num_drafts),
         f"uniforms must be [B, L] = [{batch}, {num_drafts}], got {tuple(uniforms.shape)}",
     )
@@ -148,6 +154,11 @@ def check_inputs(
         f"uniforms_final must be [B] = [{batch}], got {tuple(uniforms_final.shape)}",
     )
     drafts = candidates[:, 1:].to(torch.int64)
+    last = candidates[:, 0]
+    _require(
+        bool(((last >= 0) & (last < vocab)).all()),
+        f"candidates holds token ids outside [0, V) = [0, {vocab}) in slot 0 (the last committed token)",
+    )
     if num_draft_tokens is None:
         num_draft_tokens = torch.full((batch,), num_drafts, dtype=torch.int64, device=device)
     else:
@@ -164,7 +175,7 @@ def check_inputs(
     if num_drafts > 0:
         live = torch.arange(num_drafts, device=device)[None, :] < num_draft_tokens[:, None]
         bad_ids = live & ((drafts < 0) | (drafts >= vocab))
-        _require(not bool(bad_ids.any()), f"candidates holds draft token ids outside [0, V) = [0, {vocab})")
+        _require(not bool(bad_ids.any()), f"candidates holds token ids outside [0, V) = [0, {vocab}) among the drafts")
         # padding past num_draft_tokens is never read: stand it in by id 0 so gathers stay in range
         drafts = torch.where(live, drafts, torch.zeros_like(drafts))
     uniforms64 = uniforms.to(torch.float64)
