@@ -1,0 +1,472 @@
+// Attention of packed tokens over the slot KV cache (native_attention.h for the layout and contract).
+//
+// Work is split into units (slot, kv head, key split): a unit takes every query of the call that reads that
+// slot's kv head (the slot's tokens x the kv head's query heads) over the keys [256 s, 256 (s + 1)), so each key
+// tile and value row is fetched from memory once per forward, not once per query. Per unit and query:
+//   1. scores of 16 keys at a time (keys are stored transposed), masked to the query's visible keys;
+//   2. max, vectorised exp (Cody-Waite range reduction and Cephes' degree-6 polynomial, relative error ~1e-7), sum;
+//   3. the probability-weighted sum of value rows, in key order.
+// The splits of a query are then merged (m, l, o) in split order. Split boundaries are absolute key indices and
+// every step is per query, so a query's result does not depend on the other tokens of the call. AVX-512
+// intrinsics, or portable C++ (auto-vectorised for AVX2 by target clones) otherwise.
+#include "native_attention.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#define SA_ATT_X86 1
+#define SA_ATT512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#define SA_ATT2 __attribute__((target("avx2,fma")))
+#if !defined(__clang__)
+#define SA_ATT_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define SA_ATT_CLONES
+#endif
+#else
+#define SA_ATT_X86 0
+#define SA_ATT_CLONES
+#endif
+
+namespace specadapt {
+namespace cpu {
+namespace native {
+
+int active_isa_value();  // native_linear.cpp: 0 scalar, 1 AVX2, 2 AVX-512
+
+namespace {
+
+constexpr int64_t kSplit = 256;  // keys per unit (absolute boundaries)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                            4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+// One query of a unit: token t, query head h; it sees keys < visible and tree_base + bit.
+struct Query {
+  int64_t t, h, visible, tree_base;
+  uint64_t tree_bits;
+  bool sees(int64_t j) const {
+    if (j < visible) return true;
+    const int64_t off = j - tree_base;
+    return off >= 0 && off < 64 && ((tree_bits >> off) & 1u);
+  }
+  int64_t end() const {  // one past the last key it sees
+    const int64_t tree_end = tree_bits ? tree_base + 64 - __builtin_clzll(tree_bits) : 0;
+    return std::max(visible, tree_end);
+  }
+};
+
+struct Unit {
+  int64_t slot, kvh, k0, k1;
+  std::vector<Query> queries;
+};
+
+template <typename T>
+inline const T* key_tile(const T* k_layer, int64_t slot, int64_t head, int64_t Hkv, int64_t C, int64_t D,
+                         int64_t tile) {
+  return k_layer + ((slot * Hkv + head) * (C / kKeyTile) + tile) * D * kKeyTile;
+}
+
+inline float widen(float v) { return v; }
+inline float widen(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+
+float exp_scalar(float x) { return std::exp(x); }
+
+// ---------------------------------------------------------------------------------------------- portable C++
+// Fills, per query: partial[q] = [m, l, o_0 .. o_{D-1}] over the unit's keys (o unnormalised).
+template <typename T>
+SA_ATT_CLONES void unit_generic(const Unit& u, const float* q, int64_t ldq, const T* k_layer, const T* v_layer,
+                                int64_t Hkv, int64_t C, int64_t D, float scale, float* partial,
+                                std::vector<float>& scores) {
+  const int64_t width = u.k1 - u.k0;
+  scores.resize(width);
+  const T* V = v_layer + (u.slot * Hkv + u.kvh) * C * D;
+  for (size_t qi = 0; qi < u.queries.size(); ++qi) {
+    const Query& qr = u.queries[qi];
+    const float* qv = q + qr.t * ldq + qr.h * D;
+    float best = kNegInf;
+    for (int64_t j = u.k0; j < u.k1; ++j) {
+      if (!qr.sees(j)) {
+        scores[j - u.k0] = kNegInf;
+        continue;
+      }
+      const T* tile = key_tile(k_layer, u.slot, u.kvh, Hkv, C, D, j / kKeyTile) + j % kKeyTile;
+      float acc = 0.f;
+      for (int64_t d = 0; d < D; ++d) acc += qv[d] * widen(tile[d * kKeyTile]);
+      scores[j - u.k0] = acc * scale;
+      best = std::max(best, scores[j - u.k0]);
+    }
+    float* out = partial + qi * (D + 2);
+    float total = 0.f;
+    std::fill(out + 2, out + 2 + D, 0.f);
+    if (best != kNegInf) {
+      for (int64_t j = 0; j < width; ++j) {
+        const float p = scores[j] == kNegInf ? 0.f : exp_scalar(scores[j] - best);
+        total += p;
+        if (p != 0.f) {
+          const T* row = V + (u.k0 + j) * D;
+          for (int64_t d = 0; d < D; ++d) out[2 + d] += p * widen(row[d]);
+        }
+      }
+    }
+    out[0] = best;
+    out[1] = total;
+  }
+}
+
+#if SA_ATT_X86
+SA_ATT512 inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365478515625f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpP[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpP[i]));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 16-bit visibility mask of keys [j0, j0 + 16) for one query.
+SA_ATT512 inline __mmask16 visible_mask(const Query& qr, int64_t j0) {
+  uint32_t dense = 0;
+  const int64_t left = qr.visible - j0;
+  if (left >= 16) {
+    dense = 0xFFFF;
+  } else if (left > 0) {
+    dense = (1u << left) - 1;
+  }
+  uint32_t tree = 0;
+  if (qr.tree_bits) {
+    const int64_t off = j0 - qr.tree_base;  // bit (off + i) of tree_bits is key j0 + i
+    if (off >= 0 && off < 64) {
+      tree = static_cast<uint32_t>((qr.tree_bits >> off) & 0xFFFF);
+    } else if (off < 0 && off > -16) {
+      tree = static_cast<uint32_t>((qr.tree_bits << (-off)) & 0xFFFF);
+    }
+  }
+  return static_cast<__mmask16>(dense | tree);
+}
+
+SA_ATT512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+SA_ATT512 inline __m512 load16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <int G, typename T>
+SA_ATT512 void score_tile_avx512(const T* tile, const float* const* qv, int64_t D, float* const* out) {
+  __m512 a0[G], a1[G];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 2 <= D; d += 2) {
+    const __m512 k0 = load16(tile + d * kKeyTile), k1 = load16(tile + (d + 1) * kKeyTile);
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      a0[g] = _mm512_fmadd_ps(_mm512_set1_ps(qv[g][d]), k0, a0[g]);
+      a1[g] = _mm512_fmadd_ps(_mm512_set1_ps(qv[g][d + 1]), k1, a1[g]);
+    }
+  }
+  for (; d < D; ++d) {
+    const __m512 k0 = load16(tile + d * kKeyTile);
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) a0[g] = _mm512_fmadd_ps(_mm512_set1_ps(qv[g][d]), k0, a0[g]);
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) _mm512_storeu_ps(out[g], _mm512_add_ps(a0[g], a1[g]));
+}
+
+// o[g][0 .. 16P) (in memory) += sum over `count` keys of p[g][i] * V row i (16P floats from `rows`), G queries.
+template <int G, int P, typename T>
+SA_ATT512 void accumulate_part_avx512(const T* rows, int64_t count, int64_t D, const float* const* p,
+                                      float* const* o, int64_t d0) {
+  __m512 acc[G][P];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+    for (int part = 0; part < P; ++part) acc[g][part] = _mm512_loadu_ps(o[g] + d0 + 16 * part);
+  for (int64_t i = 0; i < count; ++i) {
+    const T* row = rows + i * D + d0;
+    __m512 v[P];
+#pragma GCC unroll 4
+    for (int part = 0; part < P; ++part) v[part] = load16(row + 16 * part);
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      const __m512 pv = _mm512_set1_ps(p[g][i]);
+#pragma GCC unroll 4
+      for (int part = 0; part < P; ++part) acc[g][part] = _mm512_fmadd_ps(pv, v[part], acc[g][part]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+    for (int part = 0; part < P; ++part) _mm512_storeu_ps(o[g] + d0 + 16 * part, acc[g][part]);
+}
+
+template <int G, typename T>
+SA_ATT512 void accumulate_block_avx512(const T* rows, int64_t count, int64_t D, const float* const* p,
+                                       float* const* o) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    switch (std::min<int64_t>(64, D - d0) / 16) {
+      case 1: accumulate_part_avx512<G, 1, T>(rows, count, D, p, o, d0); break;
+      case 2: accumulate_part_avx512<G, 2, T>(rows, count, D, p, o, d0); break;
+      case 3: accumulate_part_avx512<G, 3, T>(rows, count, D, p, o, d0); break;
+      default: accumulate_part_avx512<G, 4, T>(rows, count, D, p, o, d0);
+    }
+  }
+}
+
+template <typename T>
+SA_ATT512 void unit_avx512(const Unit& u, const float* q, int64_t ldq, const T* k_layer, const T* v_layer,
+                           int64_t Hkv, int64_t C, int64_t D, float scale, float* partial, std::vector<float>& scores) {
+  const int64_t Q = static_cast<int64_t>(u.queries.size());
+  const int64_t t0 = u.k0 / kKeyTile, t1 = (u.k1 + kKeyTile - 1) / kKeyTile;
+  const int64_t width = (t1 - t0) * kKeyTile;
+  scores.resize(Q * width);
+  // 1. scores, 4 queries at a time per tile (the tile stays in L1 across the groups)
+  for (int64_t t = t0; t < t1; ++t) {
+    const T* tile = key_tile(k_layer, u.slot, u.kvh, Hkv, C, D, t);
+    for (int64_t q0 = 0; q0 < Q; q0 += 4) {
+      const int count = static_cast<int>(std::min<int64_t>(4, Q - q0));
+      const float* qs[4];
+      float* outs[4];
+      for (int g = 0; g < count; ++g) {
+        qs[g] = q + u.queries[q0 + g].t * ldq + u.queries[q0 + g].h * D;
+        outs[g] = scores.data() + (q0 + g) * width + (t - t0) * kKeyTile;
+      }
+      switch (count) {
+        case 1: score_tile_avx512<1, T>(tile, qs, D, outs); break;
+        case 2: score_tile_avx512<2, T>(tile, qs, D, outs); break;
+        case 3: score_tile_avx512<3, T>(tile, qs, D, outs); break;
+        default: score_tile_avx512<4, T>(tile, qs, D, outs);
+      }
+    }
+  }
+  // 2. mask, max, exp, sum per query
+  const __m512 vscale = _mm512_set1_ps(scale), neg = _mm512_set1_ps(kNegInf);
+  for (int64_t qi = 0; qi < Q; ++qi) {
+    const Query& qr = u.queries[qi];
+    float* s = scores.data() + qi * width;
+    __m512 best = neg;
+    for (int64_t t = t0; t < t1; ++t) {
+      __mmask16 m = visible_mask(qr, t * kKeyTile);
+      const int64_t lo = u.k0 - t * kKeyTile, hi = u.k1 - t * kKeyTile;  // keys of this unit within the tile
+      if (lo > 0) m &= static_cast<__mmask16>(0xFFFFu << lo);
+      if (hi < 16) m &= static_cast<__mmask16>((1u << hi) - 1);
+      const __m512 v = _mm512_mask_mul_ps(neg, m, _mm512_loadu_ps(s + (t - t0) * kKeyTile), vscale);
+      _mm512_storeu_ps(s + (t - t0) * kKeyTile, v);
+      best = _mm512_max_ps(best, v);
+    }
+    const float top = _mm512_reduce_max_ps(best);
+    float* out = partial + qi * (D + 2);
+    out[0] = top;
+    if (top == kNegInf) {
+      out[1] = 0.f;
+      continue;
+    }
+    const __m512 vtop = _mm512_set1_ps(top);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < width; i += 16) {
+      const __m512 x = _mm512_loadu_ps(s + i);
+      const __mmask16 live = _mm512_cmp_ps_mask(x, neg, _CMP_NEQ_OQ);
+      const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(x, vtop)));
+      _mm512_storeu_ps(s + i, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    out[1] = _mm512_reduce_add_ps(sum);
+  }
+  // 3. values, in key order, 4 queries at a time per block of 16 rows
+  for (int64_t qi = 0; qi < Q; ++qi) std::fill(partial + qi * (D + 2) + 2, partial + qi * (D + 2) + 2 + D, 0.f);
+  const T* V = v_layer + (u.slot * Hkv + u.kvh) * C * D;
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t first = std::max(u.k0, t * kKeyTile), last = std::min(u.k1, (t + 1) * kKeyTile);
+    for (int64_t q0 = 0; q0 < Q; q0 += 4) {
+      const int count = static_cast<int>(std::min<int64_t>(4, Q - q0));
+      const float* ps[4];
+      float* os[4];
+      int live = 0;
+      for (int g = 0; g < count; ++g) {
+        const float* row_p = scores.data() + (q0 + g) * width + (first - t0 * kKeyTile);
+        if (partial[(q0 + g) * (D + 2)] == kNegInf) continue;  // sees nothing here
+        ps[live] = row_p;
+        os[live] = partial + (q0 + g) * (D + 2) + 2;
+        ++live;
+      }
+      const T* rows = V + first * D;
+      switch (live) {
+        case 0: break;
+        case 1: accumulate_block_avx512<1, T>(rows, last - first, D, ps, os); break;
+        case 2: accumulate_block_avx512<2, T>(rows, last - first, D, ps, os); break;
+        case 3: accumulate_block_avx512<3, T>(rows, last - first, D, ps, os); break;
+        default: accumulate_block_avx512<4, T>(rows, last - first, D, ps, os);
+      }
+    }
+  }
+}
+
+SA_ATT512 void exp_inplace_avx512(float* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, exp512(_mm512_loadu_ps(x + i)));
+  if (i < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(x + i, m, exp512(_mm512_maskz_loadu_ps(m, x + i)));
+  }
+}
+
+SA_ATT2 inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365478515625f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kExpP[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpP[i]));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+SA_ATT2 void exp_inplace_avx2(float* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp256(_mm256_loadu_ps(x + i)));
+  for (; i < n; ++i) x[i] = std::exp(x[i]);
+}
+#endif  // SA_ATT_X86
+
+}  // namespace
+
+void exp_inplace(float* x, int64_t n) {
+#if SA_ATT_X86
+  const int isa = active_isa_value();
+  if (isa == 2) return exp_inplace_avx512(x, n);
+  if (isa == 1) return exp_inplace_avx2(x, n);
+#endif
+  for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+void write_kv(const float* key, const float* value, const AttentionMeta& meta, int64_t t, int64_t Hkv, int64_t C,
+              int64_t D, void* k_layer, void* v_layer, bool half_cache) {
+  const int64_t slot = meta.slot[t], idx = meta.index[t];
+  for (int64_t g = 0; g < Hkv; ++g) {
+    const int64_t tile = ((slot * Hkv + g) * (C / kKeyTile) + idx / kKeyTile) * D * kKeyTile + idx % kKeyTile;
+    const int64_t row = ((slot * Hkv + g) * C + idx) * D;
+    if (half_cache) {
+      uint16_t* kt = static_cast<uint16_t*>(k_layer) + tile;
+      uint16_t* vr = static_cast<uint16_t*>(v_layer) + row;
+      for (int64_t d = 0; d < D; ++d) {
+        kt[d * kKeyTile] = c10::Half(key[g * D + d]).x;
+        vr[d] = c10::Half(value[g * D + d]).x;
+      }
+    } else {
+      float* kt = static_cast<float*>(k_layer) + tile;
+      for (int64_t d = 0; d < D; ++d) kt[d * kKeyTile] = key[g * D + d];
+      std::memcpy(static_cast<float*>(v_layer) + row, value + g * D, sizeof(float) * D);
+    }
+  }
+}
+
+void attention(const float* q, int64_t ldq, const void* k_layer, const void* v_layer, const AttentionMeta& meta,
+               int64_t N, int64_t H, int64_t Hkv, int64_t C, int64_t D, float scale, float* out, bool half_cache) {
+  const int64_t group = H / Hkv;
+  const int isa = active_isa_value();
+  const bool wide = SA_ATT_X86 && isa == 2 && D % 16 == 0;
+  // units: (slot, kv head, split) with the queries of the slot's tokens that see keys in the split
+  std::vector<int64_t> slots;
+  for (int64_t t = 0; t < N; ++t)
+    if (std::find(slots.begin(), slots.end(), meta.slot[t]) == slots.end()) slots.push_back(meta.slot[t]);
+  std::vector<Unit> units;
+  for (int64_t slot : slots) {
+    std::vector<Query> base;
+    int64_t end = 0;
+    for (int64_t t = 0; t < N; ++t) {
+      if (meta.slot[t] != slot) continue;
+      Query qr{t, 0, meta.visible[t], meta.tree_base[t], static_cast<uint64_t>(meta.tree_mask[t])};
+      end = std::max(end, qr.end());
+      base.push_back(qr);
+    }
+    for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
+      for (int64_t k0 = 0; k0 < end; k0 += kSplit) {
+        Unit u{slot, kvh, k0, std::min(end, k0 + kSplit), {}};
+        for (const Query& b : base) {
+          if (b.end() <= k0 || (b.visible <= k0 && b.tree_bits == 0)) continue;
+          for (int64_t g = 0; g < group; ++g) {
+            Query qr = b;
+            qr.h = kvh * group + g;
+            u.queries.push_back(qr);
+          }
+        }
+        if (!u.queries.empty()) units.push_back(std::move(u));
+      }
+    }
+  }
+  std::vector<int64_t> offset(units.size() + 1, 0);  // partial results [m, l, o...] per (unit, query)
+  for (size_t i = 0; i < units.size(); ++i) offset[i + 1] = offset[i] + static_cast<int64_t>(units[i].queries.size());
+  std::vector<float> partial(offset.back() * (D + 2));
+  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t i = begin; i < end; ++i) {
+      float* part = partial.data() + offset[i] * (D + 2);
+      const Unit& u = units[i];
+      const float* kf = static_cast<const float*>(k_layer);
+      const float* vf = static_cast<const float*>(v_layer);
+      const uint16_t* kh = static_cast<const uint16_t*>(k_layer);
+      const uint16_t* vh = static_cast<const uint16_t*>(v_layer);
+#if SA_ATT_X86
+      if (wide) {
+        if (half_cache) {
+          unit_avx512(u, q, ldq, kh, vh, Hkv, C, D, scale, part, scores);
+        } else {
+          unit_avx512(u, q, ldq, kf, vf, Hkv, C, D, scale, part, scores);
+        }
+        continue;
+      }
+#endif
+      if (half_cache) {
+        unit_generic(u, q, ldq, kh, vh, Hkv, C, D, scale, part, scores);
+      } else {
+        unit_generic(u, q, ldq, kf, vf, Hkv, C, D, scale, part, scores);
+      }
+    }
+  });
+  // merge each query's splits, in split order
+  std::vector<float> m(N * H, kNegInf), l(N * H, 0.f);
+  std::fill(out, out + N * H * D, 0.f);
+  for (size_t i = 0; i < units.size(); ++i) {
+    for (size_t qi = 0; qi < units[i].queries.size(); ++qi) {
+      const Query& qr = units[i].queries[qi];
+      const float* part = partial.data() + (offset[i] + static_cast<int64_t>(qi)) * (D + 2);
+      if (part[0] == kNegInf) continue;
+      const int64_t key = qr.t * H + qr.h;
+      float* o = out + key * D;
+      if (m[key] == kNegInf) {
+        m[key] = part[0];
+        l[key] = part[1];
+        std::memcpy(o, part + 2, sizeof(float) * D);
+        continue;
+      }
+      const float top = std::max(m[key], part[0]);
+      const float a = std::exp(m[key] - top), b = std::exp(part[0] - top);
+      for (int64_t d = 0; d < D; ++d) o[d] = a * o[d] + b * part[2 + d];
+      l[key] = a * l[key] + b * part[1];
+      m[key] = top;
+    }
+  }
+  for (int64_t key = 0; key < N * H; ++key) {
+    const float inv = l[key] > 0.f ? 1.f / l[key] : 0.f;
+    for (int64_t d = 0; d < D; ++d) out[key * D + d] *= inv;
+  }
+  (void)wide;
+}
+
+}  // namespace native
+}  // namespace cpu
+}  // namespace specadapt

@@ -1,0 +1,306 @@
+// The decoder stack of the native forward on CPU (python/specadapt/engine/native/): Llama-family layers (Llama,
+// Mistral without a sliding window, Qwen2's q/k/v biases, Qwen3's per-head q/k norms) over a slot-based static
+// KV cache, in one op so a forward costs a handful of dispatches instead of ~15 per layer.
+//
+// Tokens are packed: row t of `hidden` [N, h] is one token of some request, with
+//   slot[t]      the cache slot (request) it belongs to,
+//   index[t]     the cache index its keys / values are written at (physical),
+//   position[t]  its RoPE position (logical: a token-tree node's depth, not its index),
+//   visible[t]   it attends to indices [0, visible[t]) of its slot, and, when tree_mask[t] != 0, to the indices
+//                tree_base[t] + j for every bit j of tree_mask[t] (a token tree: its ancestors and itself).
+// Every token's keys / values are written before any attention of the layer runs, so a chunk attends to itself.
+// Per layer (HF Llama semantics): x += o(attn(rope(qkv(rms(x))))); x += down(silu(gate) * up)(rms(x)).
+// Each (token, head) attention and each linear output is computed by the same instructions whatever else is in
+// the call, so a request's values do not depend on the other tokens of the forward.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "native_attention.h"
+#include "native_linear.h"
+
+
+namespace specadapt {
+namespace cpu {
+namespace native {
+namespace {
+
+constexpr int64_t kTensorsPerLayer = 17;
+
+// Optional per-phase wall-clock totals (native_phase_times), off unless native_set_profiling(true).
+enum Phase { kNorms = 0, kQkv, kAttention, kOut, kGateUp, kActivation, kDown, kPhases };
+std::atomic<bool> g_profiling{false};
+double g_phase_seconds[kPhases] = {0};
+
+struct PhaseTimer {
+  std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
+  void lap(Phase p) {
+    if (!g_profiling.load(std::memory_order_relaxed)) return;
+    const auto now = std::chrono::steady_clock::now();
+    g_phase_seconds[p] += std::chrono::duration<double>(now - last).count();
+    last = now;
+  }
+};  // 4 linears x (data, scales, mins), norm1, norm2, q_norm, k_norm, qkv_bias
+
+struct Linear {
+  WeightView view;
+  bool int8_activations = false;
+  void operator()(const float* x, int64_t M, float* y) const {
+    if (int8_activations) {
+      linear_q8_activations(x, M, view.cols, view, y, view.rows);
+    } else {
+      linear(x, M, view.cols, view, y, view.rows);
+    }
+  }
+};
+
+struct Layer {
+  Linear qkv, o, gate_up, down;
+  const float* norm1 = nullptr;
+  const float* norm2 = nullptr;
+  const float* q_norm = nullptr;
+  const float* k_norm = nullptr;
+  const float* qkv_bias = nullptr;
+};
+
+const float* float_ptr(const c10::optional<at::Tensor>& t, int64_t numel, const char* what) {
+  if (!t.has_value() || !t->defined()) return nullptr;
+  TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == numel, what,
+              " must be a contiguous float32 tensor of ", numel, " elements, got ", t->sizes(), " ", t->scalar_type());
+  return t->data_ptr<float>();
+}
+
+Linear make_linear(const std::vector<c10::optional<at::Tensor>>& w, int64_t base, int64_t format, int64_t rows,
+                   int64_t cols, const char* what) {
+  TORCH_CHECK(w[base].has_value() && w[base]->defined(), what, " weight data is missing");
+  const at::Tensor& data = w[base].value();
+  TORCH_CHECK(data.is_contiguous() && data.dim() == 2, what, " data must be a contiguous 2-D tensor");
+  Linear lin;
+  WeightView& v = lin.view;
+  v.format = format;
+  v.rows = rows;
+  v.cols = cols;
+  v.data = data.data_ptr();
+  if (format == kF32 || format == kBF16) {
+    TORCH_CHECK(data.size(0) == rows && data.size(1) == cols &&
+                    data.scalar_type() == (format == kF32 ? at::kFloat : at::kBFloat16),
+                what, " must be [", rows, ", ", cols, "] ", format == kF32 ? "float32" : "bfloat16", ", got ",
+                data.sizes(), " ", data.scalar_type());
+    return lin;
+  }
+  TORCH_CHECK(format == kQ8_0 || format == kQ4_1, what, ": unknown format ", format);
+  const int64_t groups = (rows + 15) / 16, nb = cols / kBlock;
+  TORCH_CHECK(cols % kBlock == 0 && data.size(0) == groups && data.size(1) == nb * (format == kQ8_0 ? 512 : 256) &&
+                  data.scalar_type() == (format == kQ8_0 ? at::kChar : at::kByte),
+              what, ": block data must be [", groups, ", ", nb * (format == kQ8_0 ? 512 : 256), "] for a ", rows, " x ",
+              cols, " matrix, got ", data.sizes(), " ", data.scalar_type());
+  for (int64_t part = 1; part <= (format == kQ4_1 ? 2 : 1); ++part) {
+    TORCH_CHECK(w[base + part].has_value() && w[base + part]->defined(), what, " scales / mins are missing");
+    const at::Tensor& t = w[base + part].value();
+    TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous() && t.numel() == groups * nb * 16, what,
+                " scales / mins must be contiguous float16 [G, nb * 16]");
+    (part == 1 ? v.scales : v.mins) = reinterpret_cast<const uint16_t*>(t.data_ptr());
+  }
+  lin.int8_activations = true;
+  return lin;
+}
+
+void rms_norm_rows(const float* x, const float* weight, int64_t rows, int64_t dim, int64_t ld_in, int64_t ld_out,
+                   double eps, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * ld_in;
+    float acc = 0.f;
+    for (int64_t i = 0; i < dim; ++i) acc += xr[i] * xr[i];
+    const float inv = 1.f / std::sqrt(acc / static_cast<float>(dim) + static_cast<float>(eps));
+    float* o = out + r * ld_out;
+    for (int64_t i = 0; i < dim; ++i) o[i] = weight[i] * (xr[i] * inv);
+  }
+}
+
+// a[i] = silu(g[i]) * g[I + i] for one token's [gate | up] row.
+void silu_mul(const float* g, int64_t I, float* a) {
+  std::vector<float> e(I);
+  for (int64_t i = 0; i < I; ++i) e[i] = -g[i];
+  exp_inplace(e.data(), I);
+  for (int64_t i = 0; i < I; ++i) a[i] = (g[i] / (1.f + e[i])) * g[I + i];
+}
+
+// HF rotate_half RoPE of one head vector in place: cos / sin rows of length D (halves repeated).
+void rope_head(float* v, const float* cos, const float* sin, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = v[i], b = v[i + half];
+    v[i] = a * cos[i] - b * sin[i];
+    v[i + half] = b * cos[i + half] + a * sin[i + half];
+  }
+}
+
+std::vector<at::Tensor> native_llama_forward_cpu(
+    const at::Tensor& hidden, const std::vector<c10::optional<at::Tensor>>& weights, at::IntArrayRef formats,
+    const c10::optional<at::Tensor>& final_norm, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& slot, const at::Tensor& index, const at::Tensor& position, const at::Tensor& visible,
+    const at::Tensor& tree_base, const at::Tensor& tree_mask, const at::Tensor& rope_cos, const at::Tensor& rope_sin,
+    at::IntArrayRef capture, double eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t intermediate, double attn_scale) {
+  TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 2, "hidden must be [N, h] float32, got ",
+              hidden.sizes(), " ", hidden.scalar_type());
+  const int64_t N = hidden.size(0), hid = hidden.size(1);
+  const int64_t L = static_cast<int64_t>(formats.size()) / 4;
+  TORCH_CHECK(static_cast<int64_t>(formats.size()) == 4 * L && static_cast<int64_t>(weights.size()) == kTensorsPerLayer * L,
+              "weights must hold ", kTensorsPerLayer, " entries per layer and formats 4, got ", weights.size(), " and ",
+              formats.size());
+  const int64_t H = num_heads, Hkv = num_kv_heads, D = head_dim, I = intermediate;
+  TORCH_CHECK(H > 0 && Hkv > 0 && H % Hkv == 0 && D % 2 == 0, "bad head layout: heads ", H, ", kv heads ", Hkv,
+              ", head_dim ", D);
+  const bool half_cache = v_cache.scalar_type() == at::kHalf;
+  TORCH_CHECK((v_cache.scalar_type() == at::kFloat || half_cache) && v_cache.dim() == 5 && v_cache.is_contiguous() &&
+                  v_cache.size(0) >= L && v_cache.size(2) == Hkv && v_cache.size(4) == D &&
+                  v_cache.size(3) % kKeyTile == 0,
+              "v_cache must be contiguous float32 / float16 [layers, slots, kv_heads, capacity, head_dim] with capacity a multiple "
+              "of 16 (", L, " layers, ", Hkv, " kv heads, head_dim ", D, "), got ", v_cache.sizes());
+  const int64_t S = v_cache.size(1), C = v_cache.size(3);
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() &&
+                  k_cache.sizes() == at::IntArrayRef({v_cache.size(0), S, Hkv, C / kKeyTile, D, kKeyTile}),
+              "k_cache must be contiguous, of v_cache's dtype, [layers, slots, kv_heads, capacity/16, head_dim, 16], got ",
+              k_cache.sizes());
+  for (const at::Tensor* t : {&slot, &index, &position, &visible, &tree_base, &tree_mask})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->size(0) == N && t->is_contiguous(),
+                "token metadata must be contiguous int64 [N] tensors");
+  TORCH_CHECK(rope_cos.scalar_type() == at::kFloat && rope_cos.dim() == 2 && rope_cos.size(1) == D &&
+                  rope_sin.sizes() == rope_cos.sizes() && rope_cos.is_contiguous() && rope_sin.is_contiguous(),
+              "rope_cos / rope_sin must be contiguous float32 [P, head_dim]");
+  const int64_t* positions = position.data_ptr<int64_t>();
+  AttentionMeta meta{slot.data_ptr<int64_t>(), index.data_ptr<int64_t>(), visible.data_ptr<int64_t>(),
+                     tree_base.data_ptr<int64_t>(), tree_mask.data_ptr<int64_t>()};
+  const int64_t P = rope_cos.size(0);
+  for (int64_t t = 0; t < N; ++t) {
+    TORCH_CHECK(meta.slot[t] >= 0 && meta.slot[t] < S, "slot ", meta.slot[t], " outside [0, ", S, ")");
+    TORCH_CHECK(meta.index[t] >= 0 && meta.index[t] < C, "cache index ", meta.index[t], " outside the capacity ", C);
+    TORCH_CHECK(positions[t] >= 0 && positions[t] < P, "position ", positions[t], " outside the RoPE table (",
+                P, ")");
+    TORCH_CHECK(meta.visible[t] >= 0 && meta.visible[t] <= C, "visible length ", meta.visible[t], " outside [0, ", C, "]");
+    if (meta.tree_mask[t] != 0) {
+      TORCH_CHECK(meta.tree_base[t] >= 0, "tree_base must be >= 0, got ", meta.tree_base[t]);
+      const uint64_t bits = static_cast<uint64_t>(meta.tree_mask[t]);
+      const int top = 63 - __builtin_clzll(bits);
+      TORCH_CHECK(meta.tree_base[t] + top < C, "tree_mask reaches past the cache capacity");
+    }
+  }
+  std::vector<Layer> layers(L);
+  const int64_t qkv_rows = (H + 2 * Hkv) * D;
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t b = l * kTensorsPerLayer;
+    Layer& ly = layers[l];
+    ly.qkv = make_linear(weights, b + 0, formats[4 * l + 0], qkv_rows, hid, "qkv");
+    ly.o = make_linear(weights, b + 3, formats[4 * l + 1], hid, H * D, "o_proj");
+    ly.gate_up = make_linear(weights, b + 6, formats[4 * l + 2], 2 * I, hid, "gate_up");
+    ly.down = make_linear(weights, b + 9, formats[4 * l + 3], hid, I, "down_proj");
+    ly.norm1 = float_ptr(weights[b + 12], hid, "input_layernorm");
+    ly.norm2 = float_ptr(weights[b + 13], hid, "post_attention_layernorm");
+    TORCH_CHECK(ly.norm1 && ly.norm2, "every layer needs its two norm weights");
+    ly.q_norm = float_ptr(weights[b + 14], D, "q_norm");
+    ly.k_norm = float_ptr(weights[b + 15], D, "k_norm");
+    ly.qkv_bias = float_ptr(weights[b + 16], qkv_rows, "qkv_bias");
+  }
+  const float* fnorm = float_ptr(final_norm, hid, "final_norm");
+  for (int64_t c : capture) TORCH_CHECK(c >= 0 && c < L, "capture layer ", c, " outside [0, ", L, ")");
+
+  at::Tensor x = hidden.contiguous().clone();
+  float* xp = x.data_ptr<float>();
+  std::vector<float> h(N * hid), qkv(N * qkv_rows), attn(N * H * D), gu(N * 2 * I), act(N * I), proj(N * hid);
+  std::vector<at::Tensor> captured;
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t entry = half_cache ? 2 : 4;
+  const float* cosp = rope_cos.data_ptr<float>();
+  const float* sinp = rope_sin.data_ptr<float>();
+  const float scale = static_cast<float>(attn_scale);
+  PhaseTimer timer;
+  for (int64_t l = 0; l < L; ++l) {
+    for (int64_t c : capture)
+      if (c == l) captured.push_back(x.clone());
+    const Layer& ly = layers[l];
+    timer.lap(kNorms);
+    rms_norm_rows(xp, ly.norm1, N, hid, hid, hid, eps, h.data());
+    timer.lap(kNorms);
+    ly.qkv(h.data(), N, qkv.data());
+    timer.lap(kQkv);
+    char* kc_l = kc + l * S * Hkv * C * D * entry;
+    char* vc_l = vc + l * S * Hkv * C * D * entry;
+    for (int64_t t = 0; t < N; ++t) {
+      float* row = qkv.data() + t * qkv_rows;
+      if (ly.qkv_bias)
+        for (int64_t i = 0; i < qkv_rows; ++i) row[i] += ly.qkv_bias[i];
+      if (ly.q_norm) rms_norm_rows(row, ly.q_norm, H, D, D, D, eps, row);
+      if (ly.k_norm) rms_norm_rows(row + H * D, ly.k_norm, Hkv, D, D, D, eps, row + H * D);
+      const float* cr = cosp + positions[t] * D;
+      const float* sr = sinp + positions[t] * D;
+      for (int64_t hh = 0; hh < H + Hkv; ++hh) rope_head(row + hh * D, cr, sr, D);
+      write_kv(row + H * D, row + (H + Hkv) * D, meta, t, Hkv, C, D, kc_l, vc_l, half_cache);
+    }
+    timer.lap(kNorms);
+    attention(qkv.data(), qkv_rows, kc_l, vc_l, meta, N, H, Hkv, C, D, scale, attn.data(), half_cache);
+    timer.lap(kAttention);
+    ly.o(attn.data(), N, proj.data());
+    timer.lap(kOut);
+    for (int64_t i = 0; i < N * hid; ++i) xp[i] += proj[i];
+    rms_norm_rows(xp, ly.norm2, N, hid, hid, hid, eps, h.data());
+    timer.lap(kNorms);
+    ly.gate_up(h.data(), N, gu.data());
+    timer.lap(kGateUp);
+    for (int64_t t = 0; t < N; ++t) silu_mul(gu.data() + t * 2 * I, I, act.data() + t * I);
+    timer.lap(kActivation);
+    ly.down(act.data(), N, proj.data());
+    timer.lap(kDown);
+    for (int64_t i = 0; i < N * hid; ++i) xp[i] += proj[i];
+  }
+  std::vector<at::Tensor> outputs{x};
+  if (fnorm) {
+    at::Tensor normed = at::empty_like(x);
+    rms_norm_rows(xp, fnorm, N, hid, hid, hid, eps, normed.data_ptr<float>());
+    outputs.push_back(normed);
+  }
+  for (auto& c : captured) outputs.push_back(c);
+  return outputs;
+}
+
+}  // namespace
+
+void native_set_profiling(bool on) {
+  g_profiling.store(on);
+  for (double& v : g_phase_seconds) v = 0.0;
+}
+
+std::vector<double> native_phase_times() { return std::vector<double>(g_phase_seconds, g_phase_seconds + kPhases); }
+
+}  // namespace native
+}  // namespace cpu
+}  // namespace specadapt
+
+TORCH_LIBRARY_FRAGMENT(specadapt, m) {
+  // The Llama-family decoder stack over a slot KV cache (native_llama.cpp): packed tokens hidden [N, h] float32;
+  // weights: 17 optional tensors per layer (qkv, o, gate_up, down as data / scales / mins; input and
+  // post-attention norms; q_norm, k_norm, qkv_bias); formats: 4 per layer; k_cache / v_cache
+  // [layers, slots, kv_heads, capacity, head_dim] float32 or float16 (written at index[t]); token metadata [N] int64;
+  // rope_cos / rope_sin [P, head_dim]. Returns [x after the last layer, final_norm(x) when given, the input of
+  // each layer in `capture`].
+  m.def("native_llama_forward(Tensor hidden, Tensor?[] weights, int[] formats, Tensor? final_norm, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor slot, Tensor index, Tensor position, Tensor visible, Tensor tree_base, "
+        "Tensor tree_mask, Tensor rope_cos, Tensor rope_sin, int[] capture, float eps, int num_heads, "
+        "int num_kv_heads, int head_dim, int intermediate, float attn_scale) -> Tensor[]");
+  // Per-phase seconds of native_llama_forward since profiling was switched on (and reset):
+  // [norms / rope / cache writes, qkv, attention, o_proj, gate_up, activation, down_proj].
+  m.def("native_set_profiling(bool on) -> ()", &specadapt::cpu::native::native_set_profiling);
+  m.def("native_phase_times() -> float[]", &specadapt::cpu::native::native_phase_times);
+}
+
+TORCH_LIBRARY_IMPL(specadapt, CPU, m) {
+  m.impl("native_llama_forward", &specadapt::cpu::native::native_llama_forward_cpu);
+}

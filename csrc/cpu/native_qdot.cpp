@@ -1,0 +1,369 @@
+// Integer dot products for the block-quantised weights of the native forward (Q8_0, Q4_1 in the 16-row
+// interleaved layout of native_linear.h) against activations quantised to 8 bits per block of 32:
+//
+//   a[m, k] = round(x[m, k] / e[m, b]),  e[m, b] = max_k |x[m, k]| / 127 over block b (0 for an all-zero block)
+//   y[m, n] = sum_b e[m, b] * (d[n, b] * sum_k q[n, k] a[m, k] + m_w[n, b] * sum_k a[m, k])
+//
+// A 32-bit lane of a weight vector holds 4 consecutive codes of one of 16 rows, so one multiply-accumulate of 4
+// broadcast activation codes updates 16 outputs at once: the integer sums never need a horizontal reduction and
+// a weight vector loaded once serves up to 4 activation rows. Integer sums are exact; the only rounding that
+// differs from the float32 model is the 8-bit activation rounding. Each (row m, group of 16 outputs) runs the
+// same instructions whatever M is, so results do not depend on the other rows of a call. Paths: AVX-512 VNNI
+// (vpdpbusd; Q8_0 codes offset by 128, the offset folded into an m_w term of -128 d), AVX2 (vpmaddubsw;
+// Q8_0's sign moved onto the activations), portable C++; the ISA follows native_set_isa.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "native_linear.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#define SA_QX86 1
+#define SA_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
+#define SA_QAVX2 __attribute__((target("avx2,fma,f16c")))
+#else
+#define SA_QX86 0
+#endif
+
+namespace specadapt {
+namespace cpu {
+namespace native {
+
+int active_isa_value();  // native_linear.cpp: 0 scalar, 1 AVX2, 2 AVX-512
+
+namespace {
+
+inline float h2f(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// Activations of one call quantised per block: codes [M, K] int8, scales e [M, nb], e * sum(codes) [M, nb].
+struct QuantizedActivations {
+  int64_t M = 0, K = 0, nb = 0;
+  std::vector<int8_t> codes;
+  std::vector<float> scale, scaled_sum;
+};
+
+void quantize_block(const float* x, int8_t* out, float* scale, float* scaled_sum) {
+  float amax = 0.f;
+  for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(x[j]));
+  const float e = amax / 127.f;
+  const float inv = amax > 0.f ? 1.f / e : 0.f;
+  int32_t sum = 0;
+  for (int j = 0; j < kBlock; ++j) {
+    const float v = std::nearbyint(x[j] * inv);
+    const int32_t c = static_cast<int32_t>(std::min(127.f, std::max(-127.f, v)));
+    out[j] = static_cast<int8_t>(c);
+    sum += c;
+  }
+  *scale = e;
+  *scaled_sum = e * static_cast<float>(sum);
+}
+
+#if SA_QX86
+SA_VNNI void quantize_block_avx512(const float* x, int8_t* out, float* scale, float* scaled_sum) {
+  const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+  const float e = amax / 127.f;
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 1.f / e : 0.f);
+  const __m512 lim = _mm512_set1_ps(127.f), nlim = _mm512_set1_ps(-127.f);
+  const __m512 r0 = _mm512_roundscale_ps(_mm512_mul_ps(x0, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r1 = _mm512_roundscale_ps(_mm512_mul_ps(x1, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512i c0 = _mm512_cvtps_epi32(_mm512_min_ps(lim, _mm512_max_ps(nlim, r0)));
+  const __m512i c1 = _mm512_cvtps_epi32(_mm512_min_ps(lim, _mm512_max_ps(nlim, r1)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(c0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtepi32_epi8(c1));
+  *scale = e;
+  *scaled_sum = e * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1)));
+}
+
+SA_QAVX2 void quantize_block_avx2(const float* x, int8_t* out, float* scale, float* scaled_sum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+  const float top = _mm_cvtss_f32(h);
+  const float e = top / 127.f;
+  const __m256 inv = _mm256_set1_ps(top > 0.f ? 1.f / e : 0.f);
+  const __m256 lim = _mm256_set1_ps(127.f), nlim = _mm256_set1_ps(-127.f);
+  __m256i c[4];
+  __m256i sum = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    c[i] = _mm256_cvtps_epi32(_mm256_min_ps(lim, _mm256_max_ps(nlim, r)));
+    sum = _mm256_add_epi32(sum, c[i]);
+  }
+  // int32 -> int8 in element order: packs work per 128-bit lane, so permute back afterwards
+  const __m256i s16a = _mm256_packs_epi32(c[0], c[1]), s16b = _mm256_packs_epi32(c[2], c[3]);
+  const __m256i s8 = _mm256_packs_epi16(s16a, s16b);
+  const __m256i ordered = _mm256_permutevar8x32_epi32(s8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), ordered);
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  *scale = e;
+  *scaled_sum = e * static_cast<float>(_mm_cvtsi128_si32(s));
+}
+#endif
+
+void quantize_activations(const float* x, int64_t M, int64_t ldx, int64_t K, int isa, QuantizedActivations& q) {
+  q.M = M;
+  q.K = K;
+  q.nb = K / kBlock;
+  q.codes.resize(M * K);
+  q.scale.resize(M * q.nb);
+  q.scaled_sum.resize(M * q.nb);
+  const auto work = [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t b = 0; b < q.nb; ++b) {
+        const float* src = x + m * ldx + b * kBlock;
+        int8_t* dst = q.codes.data() + m * K + b * kBlock;
+        float* e = q.scale.data() + m * q.nb + b;
+        float* s = q.scaled_sum.data() + m * q.nb + b;
+#if SA_QX86
+        if (isa == 2) {
+          quantize_block_avx512(src, dst, e, s);
+          continue;
+        }
+        if (isa == 1) {
+          quantize_block_avx2(src, dst, e, s);
+          continue;
+        }
+#endif
+        quantize_block(src, dst, e, s);
+      }
+    }
+  };
+  if (M * K >= 32768) {
+    at::parallel_for(0, M, 1, work);
+  } else {
+    work(0, M);
+  }
+}
+
+// Code of (row r of the group, element k of block b) in the interleaved layout.
+inline int32_t code_x16(const WeightView& w, int64_t group, int64_t b, int64_t r, int64_t k) {
+  const int64_t nb = w.cols / kBlock;
+  if (w.format == kQ8_0) {
+    const int8_t* blk = static_cast<const int8_t*>(w.data) + (group * nb + b) * 512;
+    return blk[(k / 4) * 64 + r * 4 + k % 4];
+  }
+  const uint8_t* blk = static_cast<const uint8_t*>(w.data) + (group * nb + b) * 256;
+  const int64_t c = k / 4, j = k % 4;
+  const uint8_t byte = blk[(c % 4) * 64 + r * 4 + j];
+  return c < 4 ? (byte & 15) : (byte >> 4);
+}
+
+void qdot_group_scalar(const WeightView& w, int64_t group, const QuantizedActivations& xa, float* y, int64_t ldy,
+                       int64_t rows_here) {
+  const int64_t nb = w.cols / kBlock;
+  const uint16_t* sc = w.scales + group * nb * 16;
+  const uint16_t* mn = w.format == kQ4_1 ? w.mins + group * nb * 16 : nullptr;
+  for (int64_t m = 0; m < xa.M; ++m) {
+    const int8_t* a = xa.codes.data() + m * xa.K;
+    for (int64_t r = 0; r < rows_here; ++r) {
+      float acc = 0.f, macc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t isum = 0;
+        for (int64_t k = 0; k < kBlock; ++k) isum += code_x16(w, group, b, r, k) * a[b * kBlock + k];
+        acc = std::fma(static_cast<float>(isum), h2f(sc[b * 16 + r]) * xa.scale[m * nb + b], acc);
+        if (mn) macc = std::fma(h2f(mn[b * 16 + r]), xa.scaled_sum[m * nb + b], macc);
+      }
+      y[m * ldy + r] = acc + macc;
+    }
+  }
+}
+
+#if SA_QX86
+// ------------------------------------------------------------------------------------------- AVX-512 VNNI
+template <int R, bool Q4>
+SA_VNNI void qdot_tile_vnni(const WeightView& w, int64_t group, const QuantizedActivations& xa, int64_t m0, float* y,
+                            int64_t ldy, __mmask16 out_mask) {
+  const int64_t nb = w.cols / kBlock, K = xa.K;
+  const uint16_t* sc = w.scales + group * nb * 16;
+  const uint16_t* mn = Q4 ? w.mins + group * nb * 16 : nullptr;
+  const int8_t* a[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) a[r] = xa.codes.data() + (m0 + r) * K;
+  __m512 acc[R], macc[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(15);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i wv[8];
+    if (Q4) {
+      const uint8_t* blk = static_cast<const uint8_t*>(w.data) + (group * nb + b) * 256;
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const __m512i z = _mm512_loadu_si512(blk + 64 * i);
+        wv[i] = _mm512_and_si512(z, low4);
+        wv[i + 4] = _mm512_and_si512(_mm512_srli_epi16(z, 4), low4);
+      }
+    } else {
+      const int8_t* blk = static_cast<const int8_t*>(w.data) + (group * nb + b) * 512;
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) wv[c] = _mm512_xor_si512(_mm512_loadu_si512(blk + 64 * c), flip);
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + b * 16)));
+    const __m512 mw = Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + b * 16)))
+                         : _mm512_mul_ps(d, _mm512_set1_ps(-128.f));
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const int8_t* ab = a[r] + b * kBlock;
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int c = 0; c < 8; c += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, wv[c], _mm512_set1_epi32(load_i32(ab + 4 * c)));
+        s1 = _mm512_dpbusd_epi32(s1, wv[c + 1], _mm512_set1_epi32(load_i32(ab + 4 * c + 4)));
+      }
+      const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+      const int64_t m = m0 + r;
+      acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(xa.scale[m * nb + b])), acc[r]);
+      macc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xa.scaled_sum[m * nb + b]), macc[r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy, out_mask, _mm512_add_ps(acc[r], macc[r]));
+}
+
+SA_VNNI void qdot_group_vnni(const WeightView& w, int64_t group, const QuantizedActivations& xa, float* y,
+                             int64_t ldy, int64_t rows_here) {
+  const __mmask16 mask = rows_here >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << rows_here) - 1);
+  int64_t m = 0;
+  if (w.format == kQ4_1) {
+    for (; m + 4 <= xa.M; m += 4) qdot_tile_vnni<4, true>(w, group, xa, m, y + m * ldy, ldy, mask);
+    for (; m < xa.M; ++m) qdot_tile_vnni<1, true>(w, group, xa, m, y + m * ldy, ldy, mask);
+  } else {
+    for (; m + 4 <= xa.M; m += 4) qdot_tile_vnni<4, false>(w, group, xa, m, y + m * ldy, ldy, mask);
+    for (; m < xa.M; ++m) qdot_tile_vnni<1, false>(w, group, xa, m, y + m * ldy, ldy, mask);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------- AVX2
+// The 16 rows of a group as two halves of 8 (lanes of 4 codes each).
+template <int R, bool Q4>
+SA_QAVX2 void qdot_tile_avx2(const WeightView& w, int64_t group, const QuantizedActivations& xa, int64_t m0, float* y,
+                             int64_t ldy, int64_t rows_here) {
+  const int64_t nb = w.cols / kBlock, K = xa.K;
+  const uint16_t* sc = w.scales + group * nb * 16;
+  const uint16_t* mn = Q4 ? w.mins + group * nb * 16 : nullptr;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i low4 = _mm256_set1_epi8(15);
+  __m256 acc[R][2], macc[R][2];
+#pragma GCC unroll 2
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = macc[r][0] = macc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; ++half) {
+      __m256i wv[8];
+      if (Q4) {
+        const uint8_t* blk = static_cast<const uint8_t*>(w.data) + (group * nb + b) * 256 + 32 * half;
+        for (int i = 0; i < 4; ++i) {
+          const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * i));
+          wv[i] = _mm256_and_si256(z, low4);
+          wv[i + 4] = _mm256_and_si256(_mm256_srli_epi16(z, 4), low4);
+        }
+      } else {
+        const int8_t* blk = static_cast<const int8_t*>(w.data) + (group * nb + b) * 512 + 32 * half;
+        for (int c = 0; c < 8; ++c) wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * c));
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + b * 16 + 8 * half)));
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) {
+        const int64_t m = m0 + r;
+        const int8_t* ab = xa.codes.data() + m * K + b * kBlock;
+        __m256i s = _mm256_setzero_si256();
+        for (int c = 0; c < 8; ++c) {
+          const __m256i av = _mm256_set1_epi32(load_i32(ab + 4 * c));
+          const __m256i prod = Q4 ? _mm256_maddubs_epi16(wv[c], av)
+                                  : _mm256_maddubs_epi16(_mm256_sign_epi8(wv[c], wv[c]), _mm256_sign_epi8(av, wv[c]));
+          s = _mm256_add_epi32(s, _mm256_madd_epi16(prod, ones));
+        }
+        acc[r][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(xa.scale[m * nb + b])),
+                                       acc[r][half]);
+        if (Q4) {
+          const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + b * 16 + 8 * half)));
+          macc[r][half] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xa.scaled_sum[m * nb + b]), macc[r][half]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 2
+  for (int r = 0; r < R; ++r) {
+    float out[16];
+    _mm256_storeu_ps(out, _mm256_add_ps(acc[r][0], macc[r][0]));
+    _mm256_storeu_ps(out + 8, _mm256_add_ps(acc[r][1], macc[r][1]));
+    std::memcpy(y + r * ldy, out, sizeof(float) * rows_here);
+  }
+}
+
+SA_QAVX2 void qdot_group_avx2(const WeightView& w, int64_t group, const QuantizedActivations& xa, float* y,
+                              int64_t ldy, int64_t rows_here) {
+  int64_t m = 0;
+  if (w.format == kQ4_1) {
+    for (; m + 2 <= xa.M; m += 2) qdot_tile_avx2<2, true>(w, group, xa, m, y + m * ldy, ldy, rows_here);
+    for (; m < xa.M; ++m) qdot_tile_avx2<1, true>(w, group, xa, m, y + m * ldy, ldy, rows_here);
+  } else {
+    for (; m + 2 <= xa.M; m += 2) qdot_tile_avx2<2, false>(w, group, xa, m, y + m * ldy, ldy, rows_here);
+    for (; m < xa.M; ++m) qdot_tile_avx2<1, false>(w, group, xa, m, y + m * ldy, ldy, rows_here);
+  }
+}
+
+bool cpu_has_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vnni");
+}
+#endif  // SA_QX86
+
+}  // namespace
+
+int32_t block_code(const WeightView& w, int64_t n, int64_t k) {
+  return code_x16(w, n / 16, k / kBlock, n % 16, k % kBlock);
+}
+
+void linear_q8_activations(const float* x, int64_t M, int64_t ldx, const WeightView& w, float* y, int64_t ldy) {
+  TORCH_CHECK(w.format == kQ8_0 || w.format == kQ4_1, "8-bit activations need Q8_0 or Q4_1 weights");
+  const int64_t N = w.rows;
+  if (M == 0 || N == 0) return;
+  int isa = active_isa_value();
+#if SA_QX86
+  static const bool vnni = cpu_has_vnni();
+  if (isa == 2 && !vnni) isa = 1;
+#else
+  isa = 0;
+#endif
+  QuantizedActivations xa;
+  quantize_activations(x, M, ldx, w.cols, isa, xa);
+  auto group_fn = qdot_group_scalar;
+#if SA_QX86
+  if (isa == 2) group_fn = qdot_group_vnni;
+  if (isa == 1) group_fn = qdot_group_avx2;
+#endif
+  const int64_t groups = (N + 15) / 16;
+  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(16, groups / (4 * at::get_num_threads() + 1)));
+  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) group_fn(w, g, xa, y + g * 16, ldy, std::min<int64_t>(16, N - g * 16));
+  });
+}
+
+}  // namespace native
+}  // namespace cpu
+}  // namespace specadapt

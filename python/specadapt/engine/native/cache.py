@@ -1,0 +1,263 @@
+"""A preallocated, slot-based static KV cache for the native forward, behind the interface of
+:class:`~specadapt.engine.kv.RaggedKVCache` (so the loop, the drafts and Test-Time Speculation use either).
+
+Each request (row) occupies one slot of ``capacity`` positions: ``k_cache / v_cache [layers, slots, kv_heads,
+capacity, head_dim]``. A forward appends a ragged chunk to each row (row ``r``'s first ``num_valid[r]`` columns)
+at indices ``lengths[r] ..``; only those real tokens are packed into the forward (holes cost nothing), and
+logits are computed only for the rows asked for. Rolling back is a length change (nothing is copied); keeping one
+root-to-leaf path of a token tree moves the kept nodes' keys / values next to the prefix (at most ``n`` entries);
+finished rows free their slot, which a later request can reuse. The capacity grows (doubling, with a log line)
+only if a row would overflow it; the engine sizes it from the prompts and ``max_new_tokens`` up front.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import torch
+
+from .model import TokenBatch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SlotKVCache", "MAX_TREE_NODES"]
+
+#: Token trees are passed to the kernels as 64-bit ancestor masks over the chunk.
+MAX_TREE_NODES = 63
+
+
+class SlotKVCache:
+    """Slot KV cache + native forward of one model (a :class:`~.model.NativeLlama` or an EAGLE head).
+
+    Args:
+        model: the native model (``new_kv``, ``forward``, ``num_layers``, ``hidden_size``).
+        batch_size: rows (requests) at the start.
+        capacity: positions per slot (grown on demand).
+        slots: slots to allocate (default ``batch_size``; more let :meth:`repeat_interleave` and new requests
+            use free slots without reallocating).
+        capture: transformers ``hidden_states`` indices to return when ``output_hidden_states`` is asked
+            (default: all ``0 .. layers``).
+    """
+
+    packed = True
+
+    def __init__(self, model, batch_size: int, capacity: int = 256, slots: int | None = None,
+                 capture: tuple[int, ...] | None = None) -> None:
+        if batch_size < 0:
+            raise ValueError(f"batch_size must be >= 0, got {batch_size}")
+        self.model = model
+        self.device = model.device
+        slots = max(batch_size, slots or 0, 1)
+        self.k, self.v = model.new_kv(slots, max(int(capacity), 16))
+        self.capacity = int(self.v.shape[3])
+        self.row_slot = torch.arange(batch_size, dtype=torch.int64)
+        self.free = list(range(batch_size, slots))
+        self.lengths = torch.zeros(batch_size, dtype=torch.int64)
+        self.capture = capture
+        self._chunk_start: torch.Tensor | None = None
+        self._chunk_width = 0
+        self.num_forwards = 0
+        self.num_packed_forwards = 0
+        self.num_compactions = 0
+
+    # ---- sizes ---------------------------------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return int(self.row_slot.shape[0])
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.k.shape[1])
+
+    @property
+    def physical_length(self) -> int:
+        return int(self.lengths.max()) if self.batch_size else 0
+
+    def _grow(self, need: int, slots: int | None = None) -> None:
+        capacity = self.capacity
+        while capacity < need:
+            capacity *= 2
+        slots = slots or self.num_slots
+        if capacity == self.capacity and slots == self.num_slots:
+            return
+        logger.info("slot KV cache: growing to %d slots x %d positions", slots, capacity)
+        k, v = self.model.new_kv(slots, capacity)
+        k[:, : self.num_slots, :, : self.k.shape[3]] = self.k
+        v[:, : self.num_slots, :, : self.capacity] = self.v
+        self.free += list(range(self.num_slots, slots))
+        self.k, self.v, self.capacity = k, v, int(v.shape[3])
+
+    def _copy_positions(self, dst_slot: int, dst: torch.Tensor, src_slot: int, src: torch.Tensor) -> None:
+        """Copy cache entries ``src`` of ``src_slot`` to ``dst`` of ``dst_slot`` (``[P] int64`` indices, every layer)."""
+        dst, src = dst.to(self.device), src.to(self.device)
+        self.k[:, dst_slot, :, dst // 16, :, dst % 16] = self.k[:, src_slot, :, src // 16, :, src % 16]
+        self.v[:, dst_slot, :, dst] = self.v[:, src_slot, :, src]
+
+    # ---- forward -------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, num_valid: torch.Tensor, logits_to_keep: int = 0,
+                chunk_mask: torch.Tensor | None = None, chunk_positions: torch.Tensor | None = None,
+                return_outputs: bool = False, output_hidden_states: bool = False, features: torch.Tensor | None = None,
+                **unused):
+        """Append one ragged chunk and run it (the contract of :meth:`RaggedKVCache.forward`).
+
+        Args:
+            input_ids: ``[B, n] int64``; row ``r``'s real tokens in its first ``num_valid[r]`` columns.
+            num_valid: ``[B] int64`` in ``[0, n]``.
+            logits_to_keep: 0 = logits of every column, ``k`` = of the last ``k`` columns only.
+            chunk_mask: optional ``[B, n, n] bool`` tree attention mask (ancestors and self), ``n <= 63``.
+            chunk_positions: optional ``[B, n] int64`` position offsets (tree depths).
+            return_outputs: return an object (``logits``, ``hidden_states``, ``hidden``) instead of the logits.
+            output_hidden_states: fill ``hidden_states`` (a tuple indexed like transformers', ``None`` where
+                not captured), each ``[B, n, h]``.
+            features: ``[B, n, F]`` per-token inputs of an EAGLE head (target features or its own outputs).
+
+        Returns:
+            ``[B, n or k, V] float32`` logits (zeros in holes), or the output object.
+
+        Raises:
+            ValueError: shapes that do not match the cache, ``num_valid`` outside ``[0, n]``, a tree wider than
+                :data:`MAX_TREE_NODES`.
+        """
+        batch, width = input_ids.shape
+        if batch != self.batch_size:
+            raise ValueError(f"input_ids has {batch} rows but the cache has {self.batch_size}")
+        num_valid = num_valid.to("cpu", torch.int64)
+        if bool(((num_valid < 0) | (num_valid > width)).any()):
+            raise ValueError(f"num_valid must lie in [0, {width}]")
+        cols = torch.arange(width)
+        valid = cols[None, :] < num_valid[:, None]
+        rows_idx, cols_idx = valid.nonzero(as_tuple=True)
+        start = self.lengths.clone()
+        need = int((start + num_valid).max()) if batch else 0
+        if need > self.capacity:
+            self._grow(need)
+        base = start.index_select(0, rows_idx)
+        index = base + cols_idx
+        if chunk_positions is None:
+            position = index
+        else:
+            position = base + chunk_positions.to("cpu", torch.int64)[rows_idx, cols_idx]
+        if chunk_mask is None:
+            visible, tree_base, tree_mask = index + 1, torch.zeros_like(index), torch.zeros_like(index)
+        else:
+            if width > MAX_TREE_NODES:
+                raise ValueError(f"token trees of more than {MAX_TREE_NODES} nodes are not supported, got {width}")
+            bits = (chunk_mask.to("cpu", torch.bool) & valid[:, None, :]).to(torch.int64)
+            weights = torch.bitwise_left_shift(torch.ones(width, dtype=torch.int64), cols)
+            tree = (bits * weights).sum(-1)  # [B, n] ancestor masks over the chunk
+            visible, tree_base, tree_mask = base.clone(), base.clone(), tree[rows_idx, cols_idx]
+        dev = self.device
+        tokens = TokenBatch(
+            ids=input_ids.to("cpu", torch.int64)[rows_idx, cols_idx].to(dev),
+            slot=self.row_slot.index_select(0, rows_idx).to(dev), index=index.to(dev), position=position.to(dev),
+            visible=visible.to(dev), tree_base=tree_base.to(dev), tree_mask=tree_mask.to(dev))
+        if logits_to_keep:
+            keep_cols = width - int(logits_to_keep)
+            logit_rows = (cols_idx >= keep_cols).nonzero().squeeze(1)
+            out_width = int(logits_to_keep)
+        else:
+            logit_rows, keep_cols, out_width = None, 0, width
+        layers = self.model.num_layers
+        capture = ()
+        if output_hidden_states:
+            capture = tuple(self.capture) if self.capture is not None else tuple(range(layers + 1))
+        extra = {}
+        if features is not None:
+            extra["features"] = features.to(dev)[rows_idx.to(dev), cols_idx.to(dev)]
+        out = self.model.forward(tokens, self.k, self.v,
+                                 None if logit_rows is None else logit_rows.to(dev), capture, **extra)
+        self.lengths = start + num_valid
+        self._chunk_start, self._chunk_width = start, width
+        self.num_forwards += 1
+        if bool((~valid).any()):
+            self.num_packed_forwards += 1
+        vocab = out.logits.shape[-1]
+        logits = out.logits.new_zeros(batch, out_width, vocab)
+        sel_rows = rows_idx if logit_rows is None else rows_idx.index_select(0, logit_rows)
+        sel_cols = cols_idx if logit_rows is None else cols_idx.index_select(0, logit_rows) - keep_cols
+        if sel_rows.numel():
+            logits[sel_rows.to(dev), sel_cols.to(dev)] = out.logits
+        if not return_outputs:
+            return logits
+
+        def unpack(rows_tensor: torch.Tensor) -> torch.Tensor:
+            full = rows_tensor.new_zeros(batch, width, rows_tensor.shape[-1])
+            full[rows_idx.to(dev), cols_idx.to(dev)] = rows_tensor
+            return full
+
+        hidden_states = None
+        if output_hidden_states:
+            hidden_states = tuple(unpack(out.captured[i]) if i in out.captured else None for i in range(layers + 1))
+        return SimpleNamespace(logits=logits, hidden_states=hidden_states, hidden=unpack(out.hidden))
+
+    # ---- bookkeeping ---------------------------------------------------------------------------------------
+    def truncate(self, lengths: torch.Tensor) -> None:
+        """Roll each row back to ``lengths[r]`` tokens (a length change: nothing is copied).
+
+        Raises:
+            ValueError: a length that is negative or longer than the row.
+        """
+        lengths = lengths.to("cpu", torch.int64)
+        if bool(((lengths < 0) | (lengths > self.lengths)).any()):
+            raise ValueError("truncate lengths must lie in [0, current length] per row")
+        self.lengths = lengths.clone()
+
+    def keep_last_chunk(self, keep: torch.Tensor) -> None:
+        """Keep only the marked slots of the chunk appended last (``[B, n] bool``, in logical order), e.g. one
+        root-to-leaf path of a token tree; the kept entries move next to the row's prefix.
+
+        Raises:
+            ValueError: a mask of the wrong shape, or kept slots that were holes.
+        """
+        keep = keep.to("cpu", torch.bool)
+        n = self._chunk_width
+        if self._chunk_start is None or tuple(keep.shape) != (self.batch_size, n):
+            raise ValueError(f"keep must be [B, n] = [{self.batch_size}, {n}], got {tuple(keep.shape)}")
+        start = self._chunk_start
+        appended = self.lengths - start
+        if bool((keep & ~(torch.arange(n)[None, :] < appended[:, None])).any()):
+            raise ValueError("keep marks slots that are holes")
+        for r in range(self.batch_size):
+            kept = keep[r].nonzero().squeeze(1)
+            count = int(kept.numel())
+            if count and not torch.equal(kept, torch.arange(count)):
+                slot, s = int(self.row_slot[r]), int(start[r])
+                self._copy_positions(slot, s + torch.arange(count), slot, s + kept)
+            self.lengths[r] = int(start[r]) + count
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only the given rows (``[B'] int64``); the slots of the others are freed (nothing is copied)."""
+        rows = rows.to("cpu", torch.int64)
+        kept = set(self.row_slot.index_select(0, rows).tolist())
+        self.free += [s for s in self.row_slot.tolist() if s not in kept]
+        self.row_slot = self.row_slot.index_select(0, rows)
+        self.lengths = self.lengths.index_select(0, rows)
+        self._chunk_start = None if self._chunk_start is None else self._chunk_start.index_select(0, rows)
+
+    def repeat_interleave(self, repeats: int) -> None:
+        """Repeat every row ``repeats`` times (row ``r`` -> rows ``r*repeats ..``): the copies take free slots
+        and a copy of the row's cached prefix (``lengths[r]`` positions)."""
+        if repeats == 1:
+            return
+        extra = self.batch_size * (repeats - 1)
+        if len(self.free) < extra:
+            self._grow(self.capacity, self.num_slots + extra - len(self.free))
+        new_slots, new_lengths = [], []
+        for r in range(self.batch_size):
+            slot, length = int(self.row_slot[r]), int(self.lengths[r])
+            new_slots.append(slot)
+            for _ in range(repeats - 1):
+                other = self.free.pop(0)
+                tiles = -(-length // 16)
+                self.k[:, other, :, :tiles] = self.k[:, slot, :, :tiles]
+                self.v[:, other, :, :length] = self.v[:, slot, :, :length]
+                new_slots.append(other)
+            new_lengths += [length] * repeats
+        self.row_slot = torch.tensor(new_slots, dtype=torch.int64)
+        self.lengths = torch.tensor(new_lengths, dtype=torch.int64)
+        self._chunk_start = None
+
+    def compact(self) -> None:
+        """Nothing to do: rows never hold holes (kept for the :class:`RaggedKVCache` interface)."""

@@ -1,0 +1,264 @@
+"""Weight formats of the native forward: float32, bfloat16, and the GGUF block formats Q8_0 and Q4_1.
+
+A :class:`PackedWeight` holds one matrix ``W [N, K]`` (``y = x @ W^T``):
+
+- ``F32`` / ``BF16``: ``data [N, K]`` float32 / bfloat16, row-major;
+- ``Q8_0``: ``w = d * q`` with int8 codes ``q`` and a float16 scale ``d`` per block of 32 along K;
+- ``Q4_1``: ``w = d * q + m`` with 4-bit codes and float16 ``d``, ``m`` per block (GGUF's Q4_1).
+
+Block formats are stored in the kernels' 16-row interleaved layout (csrc/cpu/native_linear.h): rows in groups of
+16, and within a (group, block) the 4 consecutive codes of each of the 16 rows side by side, so a vector of 16
+32-bit lanes is 4 codes of 16 rows (Q4_1 packs two such vectors per 64 bytes, low and high nibbles).
+:meth:`PackedWeight.from_blocks` / :meth:`PackedWeight.block_codes` convert from / to plain row-major codes.
+``d * q`` is exact in float32, so :meth:`PackedWeight.dequantize` equals what the GGUF reader (and transformers)
+produce for a file's blocks, bit for bit.
+
+The run-level formats (``--dtype`` of the native forward) map to these: ``float32`` -> F32, ``bfloat16`` -> BF16
+weights, ``int8`` -> Q8_0, ``int4`` -> Q4_1 layers with a Q8_0 embedding / LM head (the layout of llama.cpp's
+Q4_1 files). With ``int8`` / ``int4`` the activations are quantised to 8 bits per block of 32 for integer dot
+products (:func:`linear_reference`); float32 and bfloat16 keep float32 activations.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "WeightFormat",
+    "RUN_FORMATS",
+    "PackedWeight",
+    "pack_weight",
+    "quantize_activations_reference",
+    "linear_reference",
+]
+
+BLOCK = 32
+
+
+class WeightFormat(enum.IntEnum):
+    """Storage format of one matrix (the integer is the C++ kernels' format id)."""
+
+    F32 = 0
+    BF16 = 1
+    Q8_0 = 2
+    Q4_1 = 3
+
+    @property
+    def is_block(self) -> bool:
+        return self in (WeightFormat.Q8_0, WeightFormat.Q4_1)
+
+
+#: ``--dtype`` of the native forward -> (format of the decoder layers' matrices, format of embedding / LM head,
+#: 8-bit activations).
+RUN_FORMATS: dict[str, tuple[WeightFormat, WeightFormat, bool]] = {
+    "float32": (WeightFormat.F32, WeightFormat.F32, False),
+    "bfloat16": (WeightFormat.BF16, WeightFormat.BF16, False),
+    "int8": (WeightFormat.Q8_0, WeightFormat.Q8_0, True),
+    "int4": (WeightFormat.Q4_1, WeightFormat.Q8_0, True),
+}
+
+
+def _groups(rows: int) -> int:
+    return -(-rows // 16)
+
+
+@dataclass
+class PackedWeight:
+    """One matrix ``[rows, cols]`` in a :class:`WeightFormat` (see the module docstring for the storage).
+
+    Attributes:
+        format: the storage format.
+        data: ``[N, K]`` float32 / bfloat16; ``[G, nb * 512] int8`` (Q8_0) or ``[G, nb * 256] uint8`` (Q4_1) in
+            the interleaved layout, ``G = ceil(N / 16)``, ``nb = K / 32``.
+        scales: ``[G, nb * 16] float16`` block scales (block formats), else ``None``.
+        mins: ``[G, nb * 16] float16`` block minimums (Q4_1), else ``None``.
+        num_rows: ``N`` (block formats pad the last group to 16 rows).
+    """
+
+    format: WeightFormat
+    data: torch.Tensor
+    scales: torch.Tensor | None = None
+    mins: torch.Tensor | None = None
+    num_rows: int | None = None
+
+    @property
+    def rows(self) -> int:
+        return int(self.data.shape[0]) if self.num_rows is None else int(self.num_rows)
+
+    @property
+    def cols(self) -> int:
+        if not self.format.is_block:
+            return int(self.data.shape[1])
+        return int(self.scales.shape[1]) // 16 * BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes read by one pass over the matrix (data, scales and mins)."""
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.mins) if t is not None)
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        return self.data, self.scales, self.mins
+
+    # ---- the interleaved layout <-> row-major codes ---------------------------------------------------------
+    @classmethod
+    def from_blocks(cls, fmt: WeightFormat, codes: torch.Tensor, scales: torch.Tensor,
+                    mins: torch.Tensor | None = None) -> "PackedWeight":
+        """Interleave row-major block codes: ``codes [N, K]`` (int8 for Q8_0, 0..15 for Q4_1), ``scales`` /
+        ``mins`` ``[N, K/32] float16``."""
+        fmt = WeightFormat(fmt)
+        rows, cols = codes.shape
+        nb, groups = cols // BLOCK, _groups(rows)
+        pad = groups * 16 - rows
+
+        def grouped(t: torch.Tensor) -> torch.Tensor:  # [N, ...] -> [G, 16, ...] with zero padding rows
+            if pad:
+                t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+            return t.reshape(groups, 16, *t.shape[1:])
+
+        def interleave_scales(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return grouped(t.to(torch.float16)).permute(0, 2, 1).reshape(groups, nb * 16).contiguous()
+
+        c = grouped(codes).reshape(groups, 16, nb, 8, 4)  # [G, r, b, chunk, j]: k = 4 * chunk + j
+        if fmt == WeightFormat.Q8_0:
+            data = c.to(torch.int8).permute(0, 2, 3, 1, 4).reshape(groups, nb * 512)
+        elif fmt == WeightFormat.Q4_1:
+            c = c.to(torch.uint8)
+            low, high = c[:, :, :, :4], c[:, :, :, 4:]  # chunks 0-3 (low nibbles) and 4-7 (high nibbles)
+            data = (low | (high << 4)).permute(0, 2, 3, 1, 4).reshape(groups, nb * 256)
+        else:
+            raise ValueError(f"{fmt.name} is not a block format")
+        return cls(fmt, data.contiguous(), interleave_scales(scales), interleave_scales(mins), rows)
+
+    def block_codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Row-major ``(codes [N, K] int32, scales [N, K/32] float16, mins or None)`` of a block format."""
+        if not self.format.is_block:
+            raise ValueError(f"{self.format.name} has no block codes")
+        rows, cols = self.rows, self.cols
+        nb, groups = cols // BLOCK, self.data.shape[0]
+        if self.format == WeightFormat.Q8_0:
+            c = self.data.view(groups, nb, 8, 16, 4).to(torch.int32)
+        else:
+            raw = self.data.view(groups, nb, 4, 16, 4).to(torch.int32)
+            c = torch.cat([raw & 15, raw >> 4], dim=2)  # chunks 0-3, then 4-7
+        codes = c.permute(0, 3, 1, 2, 4).reshape(groups * 16, cols)[:rows]
+
+        def rows_of(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return t.view(groups, nb, 16).permute(0, 2, 1).reshape(groups * 16, nb)[:rows]
+
+        return codes, rows_of(self.scales), rows_of(self.mins)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 matrix ``[N, K]`` this weight stands for (exact; pure PyTorch)."""
+        if not self.format.is_block:
+            return self.data.float()
+        codes, d, m = self.block_codes()
+        wide = lambda t: t.float().repeat_interleave(BLOCK, dim=1)  # noqa: E731
+        if self.format == WeightFormat.Q8_0:
+            return wide(d) * codes.float()
+        return torch.addcmul(wide(m), wide(d), codes.float())
+
+    def select_rows(self, rows: torch.Tensor) -> "PackedWeight":
+        """A new weight holding only ``rows`` (``[R] int64``), e.g. an EAGLE head's draft vocabulary."""
+        rows = rows.to(self.data.device)
+        if not self.format.is_block:
+            return PackedWeight(self.format, self.data.index_select(0, rows).contiguous())
+        codes, d, m = self.block_codes()
+        pick = lambda t: None if t is None else t.index_select(0, rows)  # noqa: E731
+        return PackedWeight.from_blocks(self.format, pick(codes), pick(d), pick(m))
+
+    def copy_(self, other: "PackedWeight") -> None:
+        """Overwrite this weight's storage in place with ``other`` (same format and shapes), so kernels, compiled
+        code and captured graphs holding these tensors see the new values.
+
+        Raises:
+            ValueError: another format or shape.
+        """
+        if other.format != self.format or other.data.shape != self.data.shape or other.rows != self.rows:
+            raise ValueError(f"cannot copy a {other.format.name} {other.rows} x {other.cols} weight into a "
+                             f"{self.format.name} {self.rows} x {self.cols} one")
+        for mine, theirs in zip(self.tensors(), other.tensors()):
+            if mine is not None:
+                mine.copy_(theirs)
+
+    def to(self, device) -> "PackedWeight":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return PackedWeight(self.format, move(self.data), move(self.scales), move(self.mins), self.num_rows)
+
+
+def pack_weight(weight: torch.Tensor, fmt: WeightFormat) -> PackedWeight:
+    """Store a float matrix ``[N, K]`` in ``fmt`` (round to nearest for the block formats).
+
+    Q8_0: ``d = max|w| / 127`` per block (float16), ``q = round(w / d)``. Q4_1: ``d = (max - min) / 15``,
+    ``m = min`` (float16), ``q = clamp(round((w - m) / d), 0, 15)``. Blocks of zeros get ``d = 0``.
+
+    Raises:
+        ValueError: not a 2-D tensor, or a block format with ``K`` not divisible by 32.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [N, K], got {tuple(weight.shape)}")
+    fmt = WeightFormat(fmt)
+    w = weight.detach().float().cpu()
+    if fmt == WeightFormat.F32:
+        return PackedWeight(fmt, w.contiguous().clone())
+    if fmt == WeightFormat.BF16:
+        return PackedWeight(fmt, w.to(torch.bfloat16).contiguous())
+    rows, cols = w.shape
+    if cols % BLOCK:
+        raise ValueError(f"{fmt.name} needs K divisible by {BLOCK}, got K = {cols}")
+    blocks = w.view(rows, cols // BLOCK, BLOCK)
+    if fmt == WeightFormat.Q8_0:
+        d = (blocks.abs().amax(dim=2) / 127).half()
+        inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros_like(d.float()))
+        q = torch.round(blocks * inv[..., None]).clamp(-127, 127)
+        return PackedWeight.from_blocks(fmt, q.reshape(rows, cols).to(torch.int8), d)
+    low, high = blocks.amin(dim=2), blocks.amax(dim=2)
+    d = ((high - low) / 15).half()
+    m = low.half()
+    inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros_like(d.float()))
+    q = torch.round((blocks - m.float()[..., None]) * inv[..., None]).clamp(0, 15)
+    return PackedWeight.from_blocks(fmt, q.reshape(rows, cols).to(torch.uint8), d, m)
+
+
+def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """8-bit block quantisation of activations ``x [M, K] float32`` (K divisible by 32), the kernels' rule.
+
+    Returns:
+        ``(codes [M, K] int8, scales [M, K/32] float32)`` with ``e = max|x| / 127`` per block and
+        ``codes = round(x * (1 / e))`` (0 for an all-zero block): ``x ~ e * codes``.
+    """
+    rows, cols = x.shape
+    blocks = x.float().reshape(rows, cols // BLOCK, BLOCK)
+    e = blocks.abs().amax(dim=2) / 127
+    inv = torch.where(e > 0, 1 / e, torch.zeros_like(e))
+    codes = torch.round(blocks * inv[..., None]).clamp(-127, 127)
+    return codes.reshape(rows, cols).to(torch.int8), e
+
+
+def linear_reference(x: torch.Tensor, weight: PackedWeight, int8_activations: bool = False) -> torch.Tensor:
+    """``x [..., K] @ W^T`` in float64, the law the C++ / CUDA kernels implement (returned as float32).
+
+    Block formats (and ``int8_activations``) first replace ``x`` by its 8-bit block quantisation
+    (:func:`quantize_activations_reference`), as the kernels do.
+
+    Raises:
+        ValueError: ``x``'s last dimension is not ``K``, or 8-bit activations with a float format.
+    """
+    int8_activations = int8_activations or weight.format.is_block
+    if x.shape[-1] != weight.cols:
+        raise ValueError(f"x must be [..., {weight.cols}], got {tuple(x.shape)}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, weight.cols).float()
+    if int8_activations:
+        if not weight.format.is_block:
+            raise ValueError(f"8-bit activations need a block format, got {weight.format.name}")
+        codes, e = quantize_activations_reference(x2)
+        x2 = codes.double() * e.double().repeat_interleave(BLOCK, dim=1)
+    y = x2.double() @ weight.dequantize().double().T
+    return y.float().reshape(*lead, weight.rows)

@@ -1,0 +1,203 @@
+"""The native forward (engine/native) against transformers: fused CPU kernels and the PyTorch reference path give
+transformers' logits (float32, max abs diff <= 1e-4) through prefill, ragged chunks, rollbacks, row selection,
+logits_to_keep, token trees and path compaction; quantised formats agree with their PyTorch reference; a
+request's logits do not depend on the batch it runs in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specadapt import kernels
+from specadapt.engine.kv import RaggedKVCache
+from specadapt.engine.loop import build_token_tree
+from specadapt.engine.native import NativeLlama, NativeUnsupported, SlotKVCache
+from specadapt.engine.native import model as native_model
+
+HAS_KERNELS = kernels.has_op_for("native_llama_forward", torch.device("cpu"))
+
+
+def tiny(family: str = "llama", vocab: int = 96, layers: int = 2, seed: int = 0, tied: bool = True):
+    """A small random model with head_dim 16 (the kernels' vector paths) and GQA (4 heads over 2)."""
+    import transformers
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[family]
+    extra = {"head_dim": 16} if family == "qwen3" else {}
+    config = config_cls(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        tie_word_embeddings=tied, rope_theta=10000.0, **extra)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():  # non-trivial norms and biases, so a missed one shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+    model.requires_grad_(False)
+    return model
+
+
+def _pad(seqs):
+    width = max(max(len(s) for s in seqs), 1)
+    ids = torch.zeros(len(seqs), width, dtype=torch.int64)
+    for r, s in enumerate(seqs):
+        ids[r, : len(s)] = torch.tensor(s, dtype=torch.int64)
+    return ids, torch.tensor([len(s) for s in seqs])
+
+
+@pytest.fixture(params=["kernels", "reference"])
+def path(request, monkeypatch):
+    """Run a test through the fused CPU kernels and through the PyTorch reference (the CUDA path)."""
+    if request.param == "kernels" and not HAS_KERNELS:
+        pytest.skip("specadapt._C built without the native kernels")
+    if request.param == "reference":
+        monkeypatch.setattr(native_model, "_use_kernels", lambda device: False)
+    return request.param
+
+
+def _close(got, want, real):
+    for r, n in enumerate(real.tolist()):
+        if n:
+            torch.testing.assert_close(got[r, :n], want[r, :n], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_float32_logits_equal_transformers_through_chunks_rollbacks_and_selection(family, path):
+    model = tiny(family, tied=family != "qwen2")
+    native = NativeLlama.from_hf(model, "float32")
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (9, 1, 17)]
+    hf, ours = RaggedKVCache(model, 3, packed=True), SlotKVCache(native, 3, capacity=20)  # grows on demand
+    ids, counts = _pad(seqs)
+    _close(ours.forward(ids, counts), hf.forward(ids, counts), counts)
+    for step in range(5):
+        chunk = [torch.randint(0, 96, (k,), generator=g).tolist() for k in ((4, 0, 3), (1, 6, 2), (5, 5, 5),
+                                                                                  (0, 2, 1), (3, 1, 4))[step]]
+        ids, counts = _pad(chunk)
+        _close(ours.forward(ids, counts), hf.forward(ids, counts), counts)
+        keep = torch.tensor([len(s) + (step + r) % (len(c) + 1) for r, (s, c) in enumerate(zip(seqs, chunk))])
+        for r in range(3):
+            seqs[r] = seqs[r] + chunk[r][: int(keep[r]) - len(seqs[r])]
+        hf.truncate(keep)
+        ours.truncate(keep)
+        assert ours.lengths.tolist() == [len(s) for s in seqs]
+    # logits of the last column only, then drop a finished row
+    ids, counts = _pad([[1, 2], [3], [4, 5]])
+    torch.testing.assert_close(ours.forward(ids, counts, logits_to_keep=1)[[0, 2]],
+                               hf.forward(ids, counts, logits_to_keep=1)[[0, 2]], atol=1e-4, rtol=0)
+    rows = torch.tensor([2, 0])
+    hf.select(rows)
+    ours.select(rows)
+    ids, counts = _pad([[7, 8, 9], [10]])
+    _close(ours.forward(ids, counts), hf.forward(ids, counts), counts)
+
+
+def test_hidden_states_capture_matches_transformers(path):
+    model = tiny("llama", layers=3)
+    native = NativeLlama.from_hf(model, "float32")
+    ids, counts = _pad([[5, 6, 7, 8], [9, 10]])
+    hf = RaggedKVCache(model, 2, packed=True).forward(ids, counts, return_outputs=True, output_hidden_states=True)
+    ours = SlotKVCache(native, 2, 16).forward(ids, counts, return_outputs=True, output_hidden_states=True)
+    assert len(ours.hidden_states) == len(hf.hidden_states) == 4
+    for i in range(4):
+        _close(ours.hidden_states[i], hf.hidden_states[i], counts)
+
+
+def test_token_trees_and_path_compaction_match_transformers(path):
+    model = tiny("llama")
+    native = NativeLlama.from_hf(model, "float32")
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (6, 11)]
+    hf, ours = RaggedKVCache(model, 2, packed=True), SlotKVCache(native, 2, 64)
+    ids, counts = _pad(prompts)
+    hf.forward(ids, counts)
+    ours.forward(ids, counts)
+    paths = torch.randint(0, 96, (2, 3, 3), generator=g)
+    paths[:, 1, 0] = paths[:, 0, 0]  # a shared prefix
+    tree = build_token_tree(paths)
+    kw = dict(chunk_mask=tree.ancestor_mask, chunk_positions=tree.depth)
+    _close(ours.forward(tree.node_tokens, tree.num_nodes, **kw), hf.forward(tree.node_tokens, tree.num_nodes, **kw),
+           tree.num_nodes)
+    chosen = torch.tensor([1, 2])
+    keep = torch.zeros_like(tree.ancestor_mask[:, 0])
+    for b in range(2):
+        keep[b, tree.path_slots[b, chosen[b], :3]] = True  # root + 2 accepted nodes
+    hf.keep_last_chunk(keep)
+    ours.keep_last_chunk(keep)
+    assert ours.lengths.tolist() == hf.lengths.tolist()
+    ids, counts = _pad([[3, 4], [5]])
+    _close(ours.forward(ids, counts), hf.forward(ids, counts), counts)
+
+
+def test_repeat_interleave_gives_independent_copies(path):
+    model = tiny("llama")
+    native = NativeLlama.from_hf(model, "float32")
+    hf, ours = RaggedKVCache(model, 2, packed=True), SlotKVCache(native, 2, 32)
+    ids, counts = _pad([[1, 2, 3], [4, 5]])
+    hf.forward(ids, counts)
+    ours.forward(ids, counts)
+    hf.repeat_interleave(2)
+    ours.repeat_interleave(2)
+    step = torch.tensor([[6], [7], [8], [9]])
+    one = torch.ones(4, dtype=torch.int64)
+    _close(ours.forward(step, one), hf.forward(step, one), one)
+    pick = torch.tensor([1, 2])
+    hf.select(pick)
+    ours.select(pick)
+    step, one = torch.tensor([[10], [11]]), torch.ones(2, dtype=torch.int64)
+    _close(ours.forward(step, one), hf.forward(step, one), one)
+
+
+@pytest.mark.skipif(not HAS_KERNELS, reason="specadapt._C built without the native kernels")
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("kv", ["float32", "float16"])
+def test_quantised_kernels_match_their_reference(fmt, kv, monkeypatch):
+    model = tiny("qwen2", tied=False)
+    native = NativeLlama.from_hf(model, fmt, kv_dtype=kv)
+    ids, counts = _pad([[5, 6, 7, 8, 9], [10, 11]])
+    step, ones = torch.tensor([[12], [13]]), torch.ones(2, dtype=torch.int64)
+    kern = SlotKVCache(native, 2, 16)
+    got = [kern.forward(ids, counts), kern.forward(step, ones)]
+    monkeypatch.setattr(native_model, "_use_kernels", lambda device: False)
+    ref = SlotKVCache(native, 2, 16)
+    want = [ref.forward(ids, counts), ref.forward(step, ones)]
+    for g, w, c in zip(got, want, (counts, ones)):
+        _close(g, w, c)
+
+
+@pytest.mark.skipif(not HAS_KERNELS, reason="specadapt._C built without the native kernels")
+@pytest.mark.parametrize("fmt", ["float32", "int4"])
+def test_a_requests_logits_do_not_depend_on_its_batch(fmt):
+    """Bit for bit: the same prompt and chunk alone, or beside other requests of other lengths."""
+    native = NativeLlama.from_hf(tiny("llama", layers=2, seed=3), fmt)
+    prompt, chunk = [5, 9, 2, 7, 1, 1, 8], [3, 4, 6]
+    alone = SlotKVCache(native, 1, 32)
+    alone.forward(torch.tensor([prompt]), torch.tensor([7]))
+    want = alone.forward(torch.tensor([chunk]), torch.tensor([3]))[0]
+    for position in (0, 2):
+        others = [[1, 2, 3], [4] * 12, [6, 6]]
+        seqs = others[:position] + [prompt] + others[position:]
+        batch = SlotKVCache(native, 4, 32)
+        ids, counts = _pad(seqs)
+        batch.forward(ids, counts)
+        ids, counts = _pad([[1]] * position + [chunk] + [[2, 3, 4, 5, 6]] * (3 - position))
+        got = batch.forward(ids, counts)[position, :3]
+        assert torch.equal(got, want)
+
+
+def test_unsupported_architectures_are_refused_by_name():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with pytest.raises(NativeUnsupported, match="gpt2"):
+        NativeLlama.from_hf(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)), "float32")
+    model = tiny("llama")
+    model.config.rope_parameters = {**model.config.rope_parameters, "rope_type": "dynamic"}
+    with pytest.raises(NativeUnsupported, match="dynamic"):
+        NativeLlama.from_hf(model, "float32")
+    with pytest.raises(ValueError, match="dtype"):
+        NativeLlama.from_hf(tiny("llama"), "int3")
