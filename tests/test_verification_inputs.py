@@ -74,6 +74,8 @@ def test_bad_num_draft_tokens(rule):
 @pytest.mark.parametrize("rule", RULES)
 def test_nan_in_target_is_an_error_in_debug_and_zero_otherwise(rule):
     cand, p, q, u, uf = _batch()
+    p[0, 1, 3] = 0.0
+    p[0, 1] /= p[0, 1].sum()  # the row without the NaN entry still sums to 1 (rows must: common.check_row_sums)
     p[0, 1, 3] = float("nan")
     with pytest.raises(ValueError, match="target_probs"):
         VERIFY_RULES[rule](cand, p, q, u, uf, debug=True)
@@ -89,8 +91,8 @@ def test_nan_inf_negative_in_draft_are_zero(rule):
     cand, p, q, u, uf = _batch(B=1, L=1, V=4)
     cand[0, 1] = 2
     q_bad = q.clone()
-    q_bad[0, 0] = torch.tensor([float("nan"), float("inf"), -1.0, 0.5])
-    q_clean = torch.tensor([[[0.0, 0.0, 0.0, 0.5]]])
+    q_bad[0, 0] = torch.tensor([float("nan"), float("inf"), -1.0, 1.0])
+    q_clean = torch.tensor([[[0.0, 0.0, 0.0, 1.0]]])  # cleaned, the row sums to 1 (as rows must)
     a = VERIFY_RULES[rule](cand, p, q_bad, u, uf)
     b = VERIFY_RULES[rule](cand, p, q_clean, u, uf)
     assert torch.equal(a.output_tokens, b.output_tokens)

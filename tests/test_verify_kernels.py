@@ -149,6 +149,8 @@ def test_kernel_bad_inputs(rule):
     with pytest.raises(ValueError, match="num_draft_tokens"):
         kernels.verify(rule, cand, p, q, u, uf, torch.tensor([0, 3, 1]), impl="compiled")
     nan_p = p.clone()
+    nan_p[0, 0, 0] = 0.0
+    nan_p[0, 0] /= nan_p[0, 0].sum()  # rows must still sum to 1 once NaN counts as 0
     nan_p[0, 0, 0] = float("nan")
     with pytest.raises(ValueError, match="target_probs"):
         kernels.verify(rule, cand, nan_p, q, u, uf, impl="compiled", debug=True)

@@ -65,6 +65,7 @@ void gbv_request(int64_t b, int64_t K, int64_t L, int64_t V, const int64_t* cand
       cum[order[j]] = run;
       rank[order[j]] = static_cast<int64_t>(j);
     }
+    check_row_sum<scalar_t>(run, "draft_probs", b, k0, d);  // the walked node's q mass, from the ranking pass
     const double denom = power_sum(r + 1.0, r, K);
     double* g = q_g.data() + d * V;
     for (int64_t v = 0; v < V; ++v) {
@@ -88,8 +89,14 @@ void gbv_request(int64_t b, int64_t K, int64_t L, int64_t V, const int64_t* cand
   while (!consistent[chosen]) ++chosen;
   int64_t tau = 0;
   const int64_t* drafts = cand + chosen * (L + 1) + 1;
-  const int64_t extra =
-      block_on_path(drafts, p + chosen * (L + 1) * V, q_g.data(), u_all + b * L, uf_all[b], L, V, &tau);
+  const scalar_t* p_path = p + chosen * (L + 1) * V;
+  // the chosen path's p rows: 1..L-1 from the Z_i pass of block_on_path, rows 0 and L read here (q_G's masses,
+  // written to the second half, are not inputs and go unchecked)
+  std::vector<double> sums(static_cast<size_t>(2 * L + 1), 1.0);
+  sums[0] = row_mass(p_path, V);
+  sums[L] = row_mass(p_path + L * V, V);
+  const int64_t extra = block_on_path(drafts, p_path, q_g.data(), u_all + b * L, uf_all[b], L, V, &tau, sums.data());
+  for (int64_t i = 0; i <= L; ++i) check_row_sum<scalar_t>(sums[i], "target_probs", b, chosen, i);
   TORCH_CHECK(extra >= 0, "target_probs has a row with zero total mass: nothing can be sampled");
   acc[b] = static_cast<int32_t>(tau);
   chosen_out[b] = static_cast<int32_t>(chosen);

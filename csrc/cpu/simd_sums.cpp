@@ -68,6 +68,38 @@ SPECADAPT_CLONES double mass_bf16(const uint16_t* p, int64_t n) {
   return acc;
 }
 
+SPECADAPT_CLONES double residual_masses_f32(const float* p, const float* q, double w, int64_t n, double* mass_p,
+                                            double* mass_q) {
+  double acc = 0.0, mp = 0.0, mq = 0.0;
+#pragma omp simd reduction(+ : acc, mp, mq)
+  for (int64_t v = 0; v < n; ++v) {
+    const double pv = clean(p[v]), qv = clean(q[v]);
+    const double d = w * pv - qv;
+    acc += d > 0.0 ? d : 0.0;
+    mp += pv;
+    mq += qv;
+  }
+  *mass_p = mp;
+  *mass_q = mq;
+  return acc;
+}
+
+SPECADAPT_CLONES double residual_masses_bf16(const uint16_t* p, const uint16_t* q, double w, int64_t n,
+                                             double* mass_p, double* mass_q) {
+  double acc = 0.0, mp = 0.0, mq = 0.0;
+#pragma omp simd reduction(+ : acc, mp, mq)
+  for (int64_t v = 0; v < n; ++v) {
+    const double pv = clean(bf16_to_float(p[v])), qv = clean(bf16_to_float(q[v]));
+    const double d = w * pv - qv;
+    acc += d > 0.0 ? d : 0.0;
+    mp += pv;
+    mq += qv;
+  }
+  *mass_p = mp;
+  *mass_q = mq;
+  return acc;
+}
+
 }  // namespace simd
 }  // namespace cpu
 }  // namespace specadapt

@@ -13,6 +13,11 @@ double residual_sum_bf16(const uint16_t* p, const uint16_t* q, double w, int64_t
 // sum_v clean(p[v])
 double mass_f32(const float* p, int64_t n);
 double mass_bf16(const uint16_t* p, int64_t n);
+// sum_v max(w * clean(p[v]) - clean(q[v]), 0) with, in the same pass, *mass_p = sum_v clean(p[v]) and
+// *mass_q = sum_v clean(q[v]) (the row-sum check of block verification, no second read of the rows)
+double residual_masses_f32(const float* p, const float* q, double w, int64_t n, double* mass_p, double* mass_q);
+double residual_masses_bf16(const uint16_t* p, const uint16_t* q, double w, int64_t n, double* mass_p,
+                            double* mass_q);
 
 }  // namespace simd
 }  // namespace cpu

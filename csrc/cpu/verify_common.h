@@ -5,10 +5,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 #include <vector>
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 
 #include "simd_sums.h"
 
@@ -81,6 +83,58 @@ inline double residual_mass(const T* p, const Q* q, double w, int64_t vocab) {
   return residual_sum(p, q, w, false, 0, vocab);
 }
 
+// The same residual mass and, from the same pass over the rows, the masses of p and q (row-sum check).
+template <typename T, typename Q>
+inline double residual_mass_and_sums(const T* p, const Q* q, double w, int64_t vocab, double* mass_p,
+                                     double* mass_q) {
+  if constexpr (kSimdF32<T, Q>) {
+    return simd::residual_masses_f32(p, q, w, vocab, mass_p, mass_q);
+  } else if constexpr (kSimdBF16<T, Q>) {
+    return simd::residual_masses_bf16(bf16_bits(p), bf16_bits(q), w, vocab, mass_p, mass_q);
+  } else {
+    double acc = 0.0, mp = 0.0, mq = 0.0;
+#pragma omp simd reduction(+ : acc, mp, mq)
+    for (int64_t v = 0; v < vocab; ++v) {
+      const double pv = clean(p[v]), qv = clean(q[v]);
+      const double d = w * pv - qv;
+      acc += d > 0.0 ? d : 0.0;
+      mp += pv;
+      mq += qv;
+    }
+    *mass_p = mp;
+    *mass_q = mq;
+    return acc;
+  }
+}
+
+// sum_v clean(row[v]) (NaN / inf / negative entries count as 0).
+template <typename T>
+inline double row_mass(const T* row, int64_t vocab) {
+  return residual_sum<T, T>(row, nullptr, 1.0, true, 0, vocab);
+}
+
+// Rows of p and q must be probability distributions: |sum - 1| <= this, after clean(). 1e-2 for 16-bit rows
+// (bfloat16 rounds each entry by up to 2^-9 relative), 1e-3 for float32 / float64 -- the constants of
+// specadapt.verification.common.row_sum_tolerance and csrc/cuda/verify.cuh. A scaled row would change the
+// output law silently (the rules divide p by q entry by entry), so it is refused instead.
+template <typename T>
+constexpr double row_sum_tolerance() {
+  return sizeof(T) <= 2 ? 1e-2 : 1e-3;
+}
+
+// Raises (ValueError in Python) naming the argument and the row -- index (b, row) or (b, path, depth) -- when
+// its mass is off 1 by more than the tolerance (NaN fails the comparison, so it raises too).
+template <typename T, typename... Index>
+inline void check_row_sum(double mass, const char* name, Index... index) {
+  constexpr double tol = row_sum_tolerance<T>();
+  if (std::fabs(mass - 1.0) <= tol) return;
+  std::string where;
+  ((where += (where.empty() ? "" : ", ") + std::to_string(static_cast<long long>(index))), ...);
+  TORCH_CHECK(false, name, " row (", where, ") sums to ", mass, ", not 1 (tolerance ", tol,
+              "): rows of p and q must be probability distributions (normalise them; a scaled row changes the "
+              "output law)");
+}
+
 // Inverse CDF over the unnormalised residual max(w * p - q, 0) (or p itself when q == nullptr). Picks the
 // smallest index whose running sum exceeds u * mass; a zero-mass residual falls back to sampling p.
 // The running sum advances by vectorised chunk sums and is scanned element by element only inside the chunk
@@ -120,10 +174,11 @@ inline int64_t sample_residual(const T* p, const Q* q, double w, double u, int64
 }
 
 // Block verification of one path (n live drafts). p: (n+1) rows of V, q: n rows of V (T or double).
-// Returns the extra token (-1 if p has no mass) and writes tau.
+// Returns the extra token (-1 if p has no mass) and writes tau. With row_sums (n + 1 doubles for p, then n for q)
+// the masses of p rows 1..n-1 and q rows 1..n-1 are written there from the Z_i pass (entries 0 and n untouched).
 template <typename T, typename Q>
 inline int64_t block_on_path(const int64_t* drafts, const T* p, const Q* q, const double* u, double uf, int64_t n,
-                      int64_t V, int64_t* tau_out) {
+                      int64_t V, int64_t* tau_out, double* row_sums = nullptr) {
   std::vector<double> w(n + 1, 1.0);
   int64_t tau = 0;
   for (int64_t i = 1; i <= n; ++i) {
@@ -133,7 +188,8 @@ inline int64_t block_on_path(const int64_t* drafts, const T* p, const Q* q, cons
     w[i] = wi;
     double h;
     if (i < n) {
-      const double z = residual_mass(p + i * V, q + i * V, wi, V);
+      const double z = row_sums ? residual_mass_and_sums(p + i * V, q + i * V, wi, V, row_sums + i, row_sums + n + 1 + i)
+                                : residual_mass(p + i * V, q + i * V, wi, V);
       const double denom = z + 1.0 - wi;
       h = denom > 0.0 ? z / denom : 1.0;
     } else {

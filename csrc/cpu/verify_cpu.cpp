@@ -73,6 +73,12 @@ void chain_request(const Views& v, int64_t b, int32_t* accept_out, int32_t* toke
   const scalar_t* p = v.p.data_ptr<scalar_t>() + b * (L + 1) * V;
   const scalar_t* q = v.q.data_ptr<scalar_t>() + b * L * V;
   const double* u = v.u.data_ptr<double>() + b * L;
+  // rows the output can depend on: p rows 0..n, q rows 0..n-1 (chain reads only p(x), q(x) of accepted rows, so
+  // this is a pass of its own; rows past n are padding and never read)
+  for (int64_t i = 0; i <= n; ++i) {
+    check_row_sum<scalar_t>(row_mass(p + i * V, V), "target_probs", b, i);
+    if (i < n) check_row_sum<scalar_t>(row_mass(q + i * V, V), "draft_probs", b, i);
+  }
   int64_t tau = 0;
   while (tau < n) {
     const int64_t x = cand[tau + 1];
@@ -96,10 +102,18 @@ template <typename scalar_t>
 void block_request(const Views& v, int64_t b, int32_t* accept_out, int32_t* tokens_out) {
   const int64_t L = v.L, V = v.V, n = v.n.data_ptr<int64_t>()[b];
   const int64_t* cand = v.cand.data_ptr<int64_t>() + b * (L + 1);
+  const scalar_t* p = v.p.data_ptr<scalar_t>() + b * (L + 1) * V;
+  const scalar_t* q = v.q.data_ptr<scalar_t>() + b * L * V;
+  // row sums: p and q rows 1..n-1 come from the Z_i pass of block_on_path; rows p_0, q_0 and p_n read here
+  std::vector<double> sums(static_cast<size_t>(2 * n + 1), 1.0);
+  sums[0] = row_mass(p, V);
+  sums[n] = row_mass(p + n * V, V);
+  if (n > 0) sums[n + 1] = row_mass(q, V);
   int64_t tau = 0;
-  const int64_t extra = block_on_path(cand + 1, v.p.data_ptr<scalar_t>() + b * (L + 1) * V,
-                                      v.q.data_ptr<scalar_t>() + b * L * V, v.u.data_ptr<double>() + b * L,
-                                      v.uf.data_ptr<double>()[b], n, V, &tau);
+  const int64_t extra = block_on_path(cand + 1, p, q, v.u.data_ptr<double>() + b * L, v.uf.data_ptr<double>()[b], n,
+                                      V, &tau, sums.data());
+  for (int64_t i = 0; i <= n; ++i) check_row_sum<scalar_t>(sums[i], "target_probs", b, i);
+  for (int64_t i = 0; i < n; ++i) check_row_sum<scalar_t>(sums[n + 1 + i], "draft_probs", b, i);
   TORCH_CHECK(extra >= 0, "target_probs has a row with zero total mass: nothing can be sampled");
   accept_out[b] = static_cast<int32_t>(tau);
   for (int64_t i = 0; i < tau; ++i) tokens_out[b * (L + 1) + i] = static_cast<int32_t>(cand[i + 1]);

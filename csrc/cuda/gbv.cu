@@ -1,6 +1,7 @@
 // Thin torch binding of the CUDA GBV kernels in gbv.cuh: the per-depth ranking of the vocabulary is a CUB
 // segmented radix sort (stable, one segment per request), everything else is in the header. No host
-// synchronisation (token ids and coins are not range-checked on the device, as for chain / block).
+// synchronisation (token ids and coins are not range-checked on the device, as for chain / block; a walked row of
+// p or q that does not sum to 1 gives -1 as the extra token, see gbv_sample_kernel).
 // Workspace: O(B * V) doubles and ints per call, reused across the L + 1 depth passes.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>

@@ -244,7 +244,9 @@ __device__ int64_t block_inverse_cdf(F weight, double mass, double u, int64_t V,
 
 // 4b. The extra token: at depth tau < L, the residual max(w_tau p - q_G, 0) of the chosen path's node (c_u from
 // sorted_ids, r[b, tau]); a zero-mass residual, or tau = L, samples p itself. Writes output_tokens[b, tau] and
-// sets error bit 1 when p has no mass.
+// sets error bit 1 when p has no mass. First checks the rows the output depends on -- the chosen path's p rows
+// 0..L and the walked nodes' q rows 0..L-1 -- sum to 1 (row_sum_tolerance, verify.cuh); an off row gives -1 as
+// the extra token (the device path cannot raise) and sets error bit 4.
 template <typename T>
 __global__ void gbv_sample_kernel(const T* __restrict__ target_probs, const T* __restrict__ draft_probs,
                                   const int32_t* __restrict__ chosen_path, const int32_t* __restrict__ node_path,
@@ -270,22 +272,34 @@ __global__ void gbv_sample_kernel(const T* __restrict__ target_probs, const T* _
     return diff > 0.0 ? diff : 0.0;
   };
   auto target = [&](int64_t v) { return prob(p[v]); };
-  if (tau < L) {
-    gbv_cumulative(q, sorted_ids + b * V, c, V, scratch);
-    double local = 0.0;
-    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) local += residual(v);
-    mass = block_sum(local, scratch);
+  const double tol = row_sum_tolerance(target_probs);
+  bool rows_ok = true;
+  for (int64_t d = 0; d <= L; ++d) {  // the same d for the whole block: every thread reduces every row
+    const bool p_ok = row_sum_ok(block_row_mass(target_probs + gbv_p_row(b, k, d, K, L, V), V, scratch), tol);
+    const bool q_ok = d < L ? row_sum_ok(block_row_mass(draft_probs + gbv_q_row(b, node_path[b * L + d], d, K, L, V),
+                                                        V, scratch), tol)
+                            : true;
+    rows_ok = rows_ok && p_ok && q_ok;
   }
-  int64_t extra;
-  if (tau < L && mass > 0.0 && mass < 1.0e300) {
-    extra = block_inverse_cdf(residual, mass, u, V, scratch, &shared_index, &shared_last);
-  } else {
-    double local = 0.0;
-    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) local += target(v);
-    mass = block_sum(local, scratch);
-    extra = mass > 0.0 ? block_inverse_cdf(target, mass, u, V, scratch, &shared_index, &shared_last) : -1;
+  int64_t extra = -1;
+  if (rows_ok) {
+    if (tau < L) {
+      gbv_cumulative(q, sorted_ids + b * V, c, V, scratch);
+      double local = 0.0;
+      for (int64_t v = threadIdx.x; v < V; v += blockDim.x) local += residual(v);
+      mass = block_sum(local, scratch);
+    }
+    if (tau < L && mass > 0.0 && mass < 1.0e300) {
+      extra = block_inverse_cdf(residual, mass, u, V, scratch, &shared_index, &shared_last);
+    } else {
+      double local = 0.0;
+      for (int64_t v = threadIdx.x; v < V; v += blockDim.x) local += target(v);
+      mass = block_sum(local, scratch);
+      extra = mass > 0.0 ? block_inverse_cdf(target, mass, u, V, scratch, &shared_index, &shared_last) : -1;
+    }
   }
   if (threadIdx.x == 0) {
+    if (!rows_ok) atomicOr(error, 4);
     if (extra < 0) atomicOr(error, 1);
     output_tokens[b * (L + 1) + tau] = static_cast<int32_t>(extra);
   }

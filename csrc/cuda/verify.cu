@@ -1,6 +1,7 @@
 // Thin torch binding of the CUDA chain / block verification kernels in verify.cuh.
 // No host synchronisation: token ids and coins are not range-checked on the device path (the CPU path and
-// the Python reference do check them); a target row without mass yields -1 as the extra token.
+// the Python reference do check them); a target row without mass, or a row of p or q that does not sum to 1
+// (row_sum_tolerance in verify.cuh), yields -1 as the extra token.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>

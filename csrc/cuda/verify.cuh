@@ -89,6 +89,29 @@ __device__ __forceinline__ double block_exclusive_scan(double v, double* scratch
   return warp_offset + inclusive - v;
 }
 
+// Rows of p and q must be probability distributions: |sum - 1| <= this after prob() (NaN / inf / negatives count
+// as 0); 1e-3 for float rows, 1e-2 for bfloat16 (each entry rounded by up to 2^-9 relative). The constants of
+// specadapt.verification.common.row_sum_tolerance and csrc/cpu/verify_common.h. The device path cannot raise
+// (no host sync): a request with an off row gets -1 as its extra token, as one whose target row has no mass.
+__device__ __forceinline__ double row_sum_tolerance(const float*) { return 1.0e-3; }
+__device__ __forceinline__ double row_sum_tolerance(const __nv_bfloat16*) { return 1.0e-2; }
+__device__ __forceinline__ bool row_sum_ok(double mass, double tol) { return fabs(mass - 1.0) <= tol; }  // NaN: false
+
+// Block-wide sum of prob(row[v]) over one row (16-byte loads when aligned). Every thread gets the result.
+template <typename T>
+__device__ double block_row_mass(const T* row, int64_t vocab, double* scratch) {
+  constexpr int N = Vec<T>::kSize;
+  const int64_t stride = static_cast<int64_t>(blockDim.x) * N;
+  double local = 0.0;
+  for (int64_t i = threadIdx.x * N; i < vocab; i += stride) {
+    double x[N];
+    load_chunk(row, i, vocab, x);
+#pragma unroll
+    for (int j = 0; j < N; ++j) local += x[j];
+  }
+  return block_sum(local, scratch);
+}
+
 // Unnormalised residual weight max(w * p - q, 0), or p itself when q is null.
 template <typename T>
 __device__ __forceinline__ double residual_weight(double p, double q, double w, bool use_p) {
@@ -179,7 +202,7 @@ __device__ int64_t block_sample_residual(const T* p, const T* q, double w, doubl
 // candidates [B, L+1] int64, target_probs [B, L+1, V], draft_probs [B, L, V],
 // uniforms [B, L] double, uniforms_final [B] double, num_draft_tokens [B] int64 or null;
 // outputs accept_len [B] int32, output_tokens [B, L+1] int32 (pre-filled with -1 by the caller),
-// error [1] int32 set to 1 when a target row has no mass.
+// error [1] int32 set to 1 when a target row has no mass or a row does not sum to 1 (extra token -1 then).
 struct VerifyArgs {
   const int64_t* candidates;
   const double* uniforms;
@@ -237,8 +260,18 @@ __global__ void chain_verify_kernel(const T* __restrict__ target_probs, const T*
   }
   __syncthreads();
   const int64_t tau = shared_tau;
-  const int64_t extra = block_sample_residual<T>(p + tau * V, tau < n ? q + tau * V : nullptr, 1.0,
-                                                 a.uniforms_final[b], V, scratch, &shared_index);
+  // rows the output can depend on (p rows 0..n, q rows 0..n-1) must sum to 1: a pass of its own (chain reads
+  // only p(x), q(x) of the accepted rows); n is the same for the whole block, so every thread reduces every row
+  const double tol = row_sum_tolerance(p);
+  bool rows_ok = true;
+  for (int64_t i = 0; i <= n; ++i) {
+    const bool p_ok = row_sum_ok(block_row_mass(p + i * V, V, scratch), tol);
+    const bool q_ok = i < n ? row_sum_ok(block_row_mass(q + i * V, V, scratch), tol) : true;
+    rows_ok = rows_ok && p_ok && q_ok;
+  }
+  const int64_t extra = rows_ok ? block_sample_residual<T>(p + tau * V, tau < n ? q + tau * V : nullptr, 1.0,
+                                                           a.uniforms_final[b], V, scratch, &shared_index)
+                                : -1;
   if (threadIdx.x == 0) write_outputs(a, b, cand, tau, extra);
 }
 
@@ -274,11 +307,17 @@ __global__ void block_verify_kernel(const T* __restrict__ target_probs, const T*
   }
   __syncthreads();
   const int64_t stride = static_cast<int64_t>(blockDim.x) * N;
+  // row sums (p rows 0..n, q rows 0..n-1 must sum to 1): rows 1..n-1 from the Z_i pass below, p_0, q_0, p_n here
+  const double tol = row_sum_tolerance(p);
+  const bool p0_ok = row_sum_ok(block_row_mass(p, V, scratch), tol);
+  const bool pn_ok = row_sum_ok(block_row_mass(p + n * V, V, scratch), tol);
+  const bool q0_ok = n > 0 ? row_sum_ok(block_row_mass(q, V, scratch), tol) : true;
+  bool rows_ok = p0_ok && pn_ok && q0_ok;
   for (int64_t i = 1; i <= n; ++i) {
     const double w = weights[i];
     double h;
     if (i < n) {
-      double local = 0.0;
+      double local = 0.0, mass_p = 0.0, mass_q = 0.0;
       for (int64_t k = threadIdx.x * N; k < V; k += stride) {
         double pv[N], qv[N];
         load_chunk(p + i * V, k, V, pv);
@@ -287,9 +326,14 @@ __global__ void block_verify_kernel(const T* __restrict__ target_probs, const T*
         for (int j = 0; j < N; ++j) {
           const double d = w * pv[j] - qv[j];
           local += d > 0.0 ? d : 0.0;
+          mass_p += pv[j];
+          mass_q += qv[j];
         }
       }
       const double z = block_sum(local, scratch);
+      const bool mp_ok = row_sum_ok(block_sum(mass_p, scratch), tol);
+      const bool mq_ok = row_sum_ok(block_sum(mass_q, scratch), tol);
+      rows_ok = rows_ok && mp_ok && mq_ok;
       const double denom = z + 1.0 - w;
       h = denom > 0.0 ? z / denom : 1.0;
     } else {
@@ -300,8 +344,10 @@ __global__ void block_verify_kernel(const T* __restrict__ target_probs, const T*
   }
   __syncthreads();
   const int64_t tau = shared_tau;
-  const int64_t extra = block_sample_residual<T>(p + tau * V, tau < n ? q + tau * V : nullptr, weights[tau],
-                                                 a.uniforms_final[b], V, scratch, &shared_index);
+  const int64_t extra = rows_ok ? block_sample_residual<T>(p + tau * V, tau < n ? q + tau * V : nullptr,
+                                                           weights[tau], a.uniforms_final[b], V, scratch,
+                                                           &shared_index)
+                                : -1;
   if (threadIdx.x == 0) write_outputs(a, b, cand, tau, extra);
 }
 

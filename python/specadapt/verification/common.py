@@ -13,6 +13,13 @@ vocabulary ``V``:
 
 Outputs: ``accept_len [B] int32`` (tau) and ``output_tokens [B, L+1] int32`` (accepted drafts, then the extra
 token, padded with -1).
+
+Rows of ``p`` and ``q`` are probability distributions: every row a request's output can depend on (``p`` rows
+``0..n``, ``q`` rows ``0..n-1`` with ``n = num_draft_tokens[b]``) must sum to 1 within :func:`row_sum_tolerance`
+(1e-3 for 32 / 64-bit rows, 1e-2 for bfloat16 / float16), after NaN / inf / negative entries count as 0; other
+rows raise ``ValueError`` naming the argument and the row. The rules divide ``p`` by ``q`` entry by entry, so a
+row scaled by ``c != 1`` would change the output law silently (issue 19: ``p = 2 x (0.5, 0.5)``, ``q = (0.9,
+0.1)`` emitted token 0 with probability 0.9, not 0.5). The same rule holds in the C++ and CUDA kernels.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ __all__ = [
     "sample_from_unnormalized",
     "draft_token_ratio",
     "single_path_inputs",
+    "row_sum_tolerance",
+    "check_row_sums",
 ]
 
 
@@ -88,6 +97,40 @@ def sanitize_probs(probs: torch.Tensor, name: str, strict: bool) -> torch.Tensor
     return probs
 
 
+def row_sum_tolerance(dtype: torch.dtype) -> float:
+    """How far from 1 a row of ``p`` or ``q`` stored as ``dtype`` may sum: 1e-2 for 16-bit floats (bfloat16 rounds
+    each entry by up to 2^-9 relative, float16 by 2^-12), 1e-3 otherwise (float32 rows are off by ~1e-6 at most,
+    rounding plus the softmax's own float32 sum over the vocabulary). The same constants as the kernels
+    (``csrc/cpu/verify_common.h``, ``csrc/cuda/verify.cuh``)."""
+    return 1e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-3
+
+
+def check_row_sums(probs: torch.Tensor, live: torch.Tensor, name: str, tolerance: float, index: str = "") -> None:
+    """Raise when a live row of ``probs`` does not sum to 1 within ``tolerance``.
+
+    Args:
+        probs: ``[..., R, V]`` float64, already sanitised (NaN / inf / negative entries are 0).
+        live: ``[..., R]`` bool, the rows that are checked.
+        name: argument name for the message (``target_probs`` / ``draft_probs``).
+        tolerance: allowed ``|sum - 1|`` (see :func:`row_sum_tolerance`).
+        index: prefix of the reported row index (e.g. ``"3, 1, "`` for a request and path).
+
+    Raises:
+        ValueError: ``"<name> row (<index>) sums to S, not 1 (tolerance T) ..."`` for the first such row.
+    """
+    if probs.shape[-1] == 0 or probs.numel() == 0:
+        return
+    sums = probs.sum(dim=-1)
+    bad = live & ~((sums - 1.0).abs() <= tolerance)
+    if bool(bad.any()):
+        where = bad.nonzero()[0].tolist()
+        total = float(sums[tuple(where)])
+        raise ValueError(
+            f"{name} row ({index}{', '.join(map(str, where))}) sums to {total:.6g}, not 1 (tolerance {tolerance:g}): "
+            "rows of p and q must be probability distributions (normalise them; a scaled row changes the output law)"
+        )
+
+
 def check_inputs(
     candidates: torch.Tensor,
     target_probs: torch.Tensor,
@@ -96,15 +139,19 @@ def check_inputs(
     uniforms_final: torch.Tensor,
     num_draft_tokens: torch.Tensor | None = None,
     debug: bool = False,
+    check_sums: bool = True,
 ) -> VerifyInputs:
     """Validate the verification contract and convert to float64.
+
+    ``check_sums=False`` skips the row-sum check (GBV checks the rows of its walked path itself).
 
     Raises:
         ValueError: wrong ranks/shapes, ``V = 0``, non-float probabilities, ``draft_probs`` of another dtype than
             ``target_probs``, token ids outside ``[0, V)`` (slot 0 and the live drafts; padding past
             ``num_draft_tokens`` is never read), coins outside ``[0, 1)``, ``num_draft_tokens`` outside ``[0, L]``,
-            NaN/inf/negative target probabilities when ``debug`` is set. Every message names the offending
-            argument.
+            NaN/inf/negative target probabilities when ``debug`` is set, live rows of ``target_probs`` /
+            ``draft_probs`` whose sum is off 1 by more than :func:`row_sum_tolerance`. Every message names the
+            offending argument.
         TypeError: tensors that are not ``torch.Tensor``.
     """
     named = {
@@ -182,10 +229,17 @@ def check_inputs(
     final64 = uniforms_final.to(torch.float64)
     for name, u in (("uniforms", uniforms64), ("uniforms_final", final64)):
         _require(bool(((u >= 0) & (u < 1)).all()), f"{name} must lie in [0, 1)")
+    target64 = sanitize_probs(target_probs, "target_probs", strict=debug)
+    draft64 = sanitize_probs(draft_probs, "draft_probs", strict=False)
+    if check_sums:
+        tolerance = row_sum_tolerance(target_probs.dtype)
+        rows = torch.arange(slots, device=device)[None, :]
+        check_row_sums(target64, rows <= num_draft_tokens[:, None], "target_probs", tolerance)
+        check_row_sums(draft64, rows[:, :num_drafts] < num_draft_tokens[:, None], "draft_probs", tolerance)
     return VerifyInputs(
         drafts=drafts,
-        target_probs=sanitize_probs(target_probs, "target_probs", strict=debug),
-        draft_probs=sanitize_probs(draft_probs, "draft_probs", strict=False),
+        target_probs=target64,
+        draft_probs=draft64,
         uniforms=uniforms64,
         uniforms_final=final64,
         num_draft_tokens=num_draft_tokens,

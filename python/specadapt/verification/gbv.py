@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .block import block_verify_checked
-from .common import VerifyInputs, check_inputs
+from .common import VerifyInputs, check_inputs, check_row_sums, row_sum_tolerance
 
 __all__ = ["GBVOutput", "gbv_verify", "gbv_select", "power_sum"]
 
@@ -62,7 +62,8 @@ def _choose_child(children: torch.Tensor, rank: torch.Tensor) -> int:
 
 
 def gbv_select(
-    drafts: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor
+    drafts: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor, tolerance: float | None = None,
+    request: int = 0,
 ) -> tuple[int, torch.Tensor]:
     """The GBV walk for ONE request: which path is chosen and the ``q_G`` rows along it.
 
@@ -70,6 +71,8 @@ def gbv_select(
         drafts: ``[K, L] int64`` the K drafted paths (without slot 0).
         target_probs: ``[K, L+1, V]`` float64, ``p`` at every node of every path.
         draft_probs: ``[K, L, V]`` float64, ``q`` at every node of every path.
+        tolerance: when given, the q row of every walked node must sum to 1 within it (``ValueError`` naming
+            ``draft_probs`` otherwise; ``request`` is the batch index reported).
 
     Returns:
         ``(chosen, q_g [L, V] float64)``: the lowest path index equal to the reached path, and the laws
@@ -82,6 +85,9 @@ def gbv_select(
     for depth in range(num_slots):
         k0 = int(consistent.nonzero()[0])
         p_row, q_row = target_probs[k0, depth], draft_probs[k0, depth]
+        if tolerance is not None:
+            check_row_sums(q_row[None], torch.ones(1, dtype=torch.bool), "draft_probs", tolerance,
+                           f"{request}, {k0}, {depth}, ")
         order = ranking_keys(p_row, q_row)
         cum = torch.empty_like(q_row)
         cum[order] = q_row[order].cumsum(0)
@@ -151,8 +157,10 @@ def gbv_verify(
 
     Raises:
         ValueError: wrong ranks / shapes (checked on the ``[B, K, ...]`` layout before any reshape, so ``[K, B,
-            ...]`` tensors are refused), dtypes, devices, ids outside ``[0, V)``, coins outside ``[0, 1)``; the
-            message names the argument.
+            ...]`` tensors are refused), dtypes, devices, ids outside ``[0, V)``, coins outside ``[0, 1)``, a row
+            the output depends on -- the chosen path's ``p`` rows ``0..L``, the ``q`` rows of the walked nodes --
+            whose sum is off 1 by more than :func:`~specadapt.verification.common.row_sum_tolerance` (rows of
+            other nodes are never read); the message names the argument.
         TypeError: an argument that is not a tensor.
     """
     _check_gbv_shapes(candidates, target_probs, draft_probs, uniforms, uniforms_final)
@@ -164,7 +172,9 @@ def gbv_verify(
         uniforms.repeat_interleave(num_paths, dim=0),
         uniforms_final.repeat_interleave(num_paths, dim=0),
         debug=debug,
+        check_sums=False,  # only the walked path's rows can change the output: checked below
     )
+    tolerance = row_sum_tolerance(target_probs.dtype)
     vocab = flat.target_probs.shape[-1]
     drafts = flat.drafts.reshape(batch, num_paths, slots - 1)
     p_all = flat.target_probs.reshape(batch, num_paths, slots, vocab)
@@ -172,7 +182,9 @@ def gbv_verify(
     chosen = torch.zeros(batch, dtype=torch.int64)
     q_g = torch.zeros(batch, slots - 1, vocab, dtype=torch.float64)
     for b in range(batch):
-        k, rows = gbv_select(drafts[b].cpu(), p_all[b].cpu(), q_all[b].cpu())
+        k, rows = gbv_select(drafts[b].cpu(), p_all[b].cpu(), q_all[b].cpu(), tolerance, b)
+        check_row_sums(p_all[b, k], torch.ones(slots, dtype=torch.bool, device=p_all.device), "target_probs",
+                       tolerance, f"{b}, {k}, ")
         chosen[b] = k
         if slots > 1:
             q_g[b] = rows
