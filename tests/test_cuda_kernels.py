@@ -157,3 +157,38 @@ def test_cuda_irls_accumulate_equals_reference(B, K):
     got = kernels.irls_accumulate(features.cuda(), predictions.cuda(), accepted.cuda(), verified.cuda())
     assert got.device.type == "cuda"
     torch.testing.assert_close(got.cpu(), expected, rtol=1e-12, atol=1e-9)
+
+
+def _device_impls():
+    return [impl for impl, ok in (("compiled", CUDA_OPS), ("cupy", JIT)) if ok]
+
+
+@pytest.mark.skipif(not (CUDA_OPS or JIT), reason="needs a CUDA device with specadapt._C built with CUDA or CuPy")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_rows_that_do_not_sum_to_one_give_minus_one(dtype):
+    """Issue 19.5 on the device path (no host sync, so no raise): a request whose live row of p or q is off 1 by
+    more than the tolerance (1e-3 float32, 1e-2 bfloat16) gets -1 as its extra token; other requests, padding rows
+    past num_draft_tokens and rows within the tolerance are unaffected."""
+    B, L, V = 4, 3, 1000
+    cand, p, q, u, uf = _batch(B, L, V, 7, dtype)
+    n = torch.tensor([3, 3, 1, 3])
+    p[0, 2] *= 1.05  # request 0: a live p row off by 5%
+    q[1, 0] *= 0.9  # request 1: a live q row off by 10%
+    p[2, 3] *= 3.0  # request 2: the row is past num_draft_tokens = 1 (padding): not read
+    for impl in _device_impls():
+        for rule in ("chain", "block"):
+            ref_rows = [VERIFY_RULES[rule](cand[b:b + 1], p[b:b + 1], q[b:b + 1], u[b:b + 1], uf[b:b + 1],
+                                           n[b:b + 1]) for b in (2, 3)]
+            got = kernels.verify(rule, cand.cuda(), p.cuda(), q.cuda(), u.cuda(), uf.cuda(), n.cuda(), impl=impl)
+            tau = got.accept_len.cpu().long()
+            toks = got.output_tokens.cpu()
+            assert int(toks[0, tau[0]]) == -1 and int(toks[1, tau[1]]) == -1, (impl, rule)
+            for b, ref in zip((2, 3), ref_rows):
+                assert torch.equal(toks[b], ref.output_tokens[0]), (impl, rule, b)
+    cand, p, q, u, uf = tree_batch(2, 2, 2, 500, 3, dtype)
+    p[1, :, 0] *= 1.5  # request 1: the chosen path's p row 0 (shared by both paths) is off
+    for impl in _device_impls():
+        ref0 = kernels.gbv_verify(cand[:1], p[:1], q[:1], u[:1], uf[:1], impl="reference")
+        got = kernels.gbv_verify(*(t.cuda() for t in (cand, p, q, u, uf)), impl=impl)
+        assert torch.equal(got.output_tokens[0].cpu(), ref0.output_tokens[0]), impl
+        assert int(got.output_tokens[1, int(got.accept_len[1])]) == -1, impl
