@@ -127,6 +127,8 @@ SA_ATT_CLONES void unit_generic(const Unit& u, const float* q, int64_t ldq, cons
 
 #if SA_ATT_X86
 SA_ATT512 inline __m512 exp512(__m512 x) {
+  // below -87.34 the result underflows: 0 (so exp(-inf) = 0); above 88.38 it is clamped
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3365478515625f), _CMP_GE_OQ);
   x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365478515625f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
@@ -134,7 +136,7 @@ SA_ATT512 inline __m512 exp512(__m512 x) {
   __m512 p = _mm512_set1_ps(kExpP[0]);
   for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpP[i]));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
 }
 
 // 16-bit visibility mask of keys [j0, j0 + 16) for one query.
@@ -324,6 +326,7 @@ SA_ATT512 void exp_inplace_avx512(float* x, int64_t n) {
 }
 
 SA_ATT2 inline __m256 exp256(__m256 x) {
+  const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3365478515625f), _CMP_GE_OQ);  // else underflow: 0
   x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365478515625f));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
@@ -332,7 +335,7 @@ SA_ATT2 inline __m256 exp256(__m256 x) {
   for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpP[i]));
   p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  return _mm256_and_ps(live, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
 }
 
 SA_ATT2 void exp_inplace_avx2(float* x, int64_t n) {

@@ -9,6 +9,7 @@ reference otherwise, saying so once in the log (never silently): :func:`choose_i
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -88,10 +89,16 @@ if extension_available():
 
 
 def has_op_for(op_name: str, device: torch.device) -> bool:
-    """Whether ``specadapt::<op_name>`` has a compiled kernel for ``device``'s dispatch key."""
+    """Whether ``specadapt::<op_name>`` has a compiled kernel for ``device``'s dispatch key (looked up once per
+    op and device type: the registrations are fixed when ``specadapt._C`` is imported)."""
+    return _has_op_for(op_name, torch.device(device).type)
+
+
+@functools.lru_cache(maxsize=None)
+def _has_op_for(op_name: str, device_type: str) -> bool:
     if not extension_available():
         return False
-    key = "CUDA" if device.type == "cuda" else "CPU" if device.type == "cpu" else None
+    key = "CUDA" if device_type == "cuda" else "CPU" if device_type == "cpu" else None
     if key is None:
         return False
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"specadapt::{op_name}", key)

@@ -28,7 +28,9 @@ DEFAULTS = dict(
     verify="chain",
     batch_size=3,
     seed=0,
-    dtype="float32",
+    dtype="auto",
+    forward="auto",
+    kv_dtype="auto",
     device="cpu",
     bucket_edges="0,512,1024,2048,4096,8192",
 )
@@ -117,7 +119,15 @@ def add_parser(sub) -> None:
                    help="decode every request to --max-new-tokens even past EOS (acceptance-vs-position studies)")
     p.add_argument("--batch-size", type=int, default=d["batch_size"], help="requests decoded together")
     p.add_argument("--seed", type=int, default=d["seed"], help="seeds the coins of verification and the draft")
-    p.add_argument("--dtype", default=d["dtype"], choices=["float32", "bfloat16"], help="weights and activations")
+    p.add_argument("--dtype", default=d["dtype"], choices=["auto", "float32", "bfloat16", "int8", "int4"],
+                   help="weight format of target and draft: float32, bfloat16, int8 (Q8_0 blocks) or int4 (Q4_1 blocks; "
+                        "a GGUF file's own 4-bit weights), the block formats with 8-bit activations and the native "
+                        "forward only; auto: int4 for a Q4_1 GGUF file (the embedded default), else float32")
+    p.add_argument("--forward", default=d["forward"], choices=["auto", "native", "hf"],
+                   help="native: specadapt's fused Llama-family decoder over a static slot KV cache (Llama, Mistral, "
+                        "Qwen2, Qwen3); hf: transformers' forward; auto: native when the architecture is supported")
+    p.add_argument("--kv-dtype", default=d["kv_dtype"], choices=["auto", "float32", "float16"],
+                   help="native KV cache entries (auto: float16 with int8 / int4 weights, else float32)")
     p.add_argument("--device", default=d["device"], help="cpu or cuda")
     p.add_argument("--baseline", action="store_true", help="also run target-only decoding for the speedup")
     p.add_argument("--bucket-edges", default=d["bucket_edges"], help="output-position bucket edges")
@@ -185,25 +195,36 @@ def _validate(args) -> list[int]:
 
 
 def load_target_and_draft(model: str, draft: str, sampling, seed: int, dtype: str, device: str,
-                          error: type[Exception] = UsageError):
-    """Load the target and build the draft as ``specadapt generate`` does.
+                          error: type[Exception] = UsageError, forward: str = "auto", kv_dtype: str = "auto"):
+    """Load the target, attach its forward and build the draft as ``specadapt generate`` does.
 
     Args:
-        model, draft: ``--model`` / ``--draft`` values; sampling: the run's ``SamplingParams``; dtype: ``float32`` or
-            ``bfloat16``; device: ``cpu`` / ``cuda``.
-        error: exception class raised for a bad model or draft (its message names the flag).
+        model, draft: ``--model`` / ``--draft`` values; sampling: the run's ``SamplingParams``; dtype: a
+            ``--dtype`` weight format; device: ``cpu`` / ``cuda``; forward: ``--forward``; kv_dtype: ``--kv-dtype``.
+        error: exception class raised for a bad model, draft or format (its message names the flag).
 
     Returns:
-        ``(LoadedModel, Draft)``.
+        ``(LoadedModel, Draft)``; ``target.forward_name`` / ``target.weight_format`` say what runs.
     """
-    from ..engine import ModelLoadError, VocabularyMismatchError, build_draft, load_model
-    from ..engine.models import parse_dtype
+    import torch
 
-    torch_dtype = parse_dtype(dtype)
+    from ..engine import ModelLoadError, VocabularyMismatchError, build_draft, load_model
+    from ..engine.models import attach_forward, parse_dtype
+
+    hf_dtype = parse_dtype(dtype) if dtype in ("float32", "bfloat16") and forward == "hf" else parse_dtype("float32")
     try:
-        target = load_model(model, dtype=torch_dtype, device=device)
+        target = load_model(model, dtype=hf_dtype, device=device)
     except ModelLoadError as exc:
         raise error(f"--model: {exc}") from None
+    try:
+        weights = attach_forward(target, forward, dtype, kv_dtype)
+    except ValueError as exc:
+        message = str(exc)
+        raise error(message if message.startswith("--") else f"--forward: {message}") from None
+    if target.native is None and weights == "float32" and dtype == "bfloat16":
+        target.model.to(torch.bfloat16)
+    logger.info("target %s: %s forward, %s weights", model, target.forward_name, target.weight_format)
+    torch_dtype = next(target.model.parameters()).dtype
     try:
         built = build_draft(draft, target, sampling, seed, dtype=torch_dtype, device=device)
     except (ModelLoadError, VocabularyMismatchError, ValueError, FileNotFoundError) as exc:
@@ -243,7 +264,8 @@ def run(args) -> int:
     except DatasetError as exc:
         raise UsageError(f"--dataset: {exc}") from None
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
-    target, draft = load_target_and_draft(args.model, args.draft, sampling, args.seed, args.dtype, args.device)
+    target, draft = load_target_and_draft(args.model, args.draft, sampling, args.seed, args.dtype, args.device,
+                                          forward=args.forward, kv_dtype=args.kv_dtype)
 
     token_ids = [_tokenize(target.tokenizer, p.text) for p in prompts]
     context = target.context_length or 10**9
@@ -304,7 +326,9 @@ def run(args) -> int:
                       av_slope=adaptive.estimator.slope, av_intercepts=adaptive.estimator.intercepts.tolist())
     if tts is not None:
         config.update(tts_stats=tts.summary())
-    config.update(torch_version=torch.__version__, torch_threads=torch.get_num_threads())
+    config.update(torch_version=torch.__version__, torch_threads=torch.get_num_threads(),
+                  forward_used=target.forward_name, weight_format=target.weight_format,
+                  kv_dtype_used=str(getattr(target.native, "kv_dtype", "n/a")).replace("torch.", ""))
     report = build_report(
         config, prompts, target.tokenizer, spec_results, spec_seconds, base_results, base_seconds, edges,
         args.num_draft_tokens,

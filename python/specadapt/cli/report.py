@@ -111,7 +111,8 @@ def print_report(report: dict) -> None:
     print()
     print(
         f"target {cfg['model']}  draft {cfg['draft']}  verify {cfg['verify']}  L={cfg['num_draft_tokens']}  "
-        f"T={cfg['temperature']}  top-p={cfg['top_p']}  batch={cfg['batch_size']}"
+        f"T={cfg['temperature']}  top-p={cfg['top_p']}  batch={cfg['batch_size']}  "
+        f"forward {cfg.get('forward_used', '?')} {cfg.get('weight_format', '?')}"
     )
     if s["baseline_tokens_per_s"] is None:
         versus = "target-only: not run (add --baseline)"

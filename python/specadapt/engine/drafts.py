@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..sampling import SamplingParams, logits_to_probs
+from ..sampling import SamplingParams, logits_to_probs, sample_from_probs
 from .kv import RaggedKVCache
 from .models import LoadedModel
 
@@ -73,6 +73,9 @@ class Draft:
         """Tell the draft how many of its proposals were accepted (``[B] int64``) so it can roll back."""
 
     needs_target_hidden = False
+
+    #: Cache positions a request can need, set by the engine before :meth:`start` (native caches preallocate it).
+    context_capacity = 256
 
     #: Optional early stop of drafting, ``(step, probs [B, step+1, V], num [B]) -> caps [B] int64`` (see
     #: ``AdaptiveVerification.draft_caps``). Model drafts consult it after each position
@@ -205,10 +208,14 @@ class ModelDraft(Draft):
         sampling: the run's sampling transform (applied to the draft logits to get ``q``).
         generator: random generator for the draft's own sampling.
         name: label used in reports (``self:4``, a path, ...).
+        native: the same model on the native forward (:class:`~specadapt.engine.native.NativeLlama`), or
+            ``None`` for transformers' forward.
     """
 
-    def __init__(self, model: torch.nn.Module, sampling: SamplingParams, generator: torch.Generator, name: str) -> None:
+    def __init__(self, model: torch.nn.Module, sampling: SamplingParams, generator: torch.Generator, name: str,
+                 native=None) -> None:
         self.model = model
+        self.native = native
         self.sampling = sampling
         self.generator = generator
         self.name = name
@@ -217,7 +224,12 @@ class ModelDraft(Draft):
         self._drafts_fed = 0
 
     def start(self, histories):
-        self.kv = RaggedKVCache(self.model, len(histories))
+        if self.native is not None:
+            from .native import SlotKVCache
+
+            self.kv = SlotKVCache(self.native, len(histories), capacity=self.context_capacity)
+        else:
+            self.kv = RaggedKVCache(self.model, len(histories))
         prefix = [h[:-1] for h in histories]
         if max(len(p) for p in prefix) > 0:
             ids, counts = _pad(prefix)
@@ -236,7 +248,7 @@ class ModelDraft(Draft):
         last = self._feed_uncached(histories)
         for i in range(length):
             q = logits_to_probs(last, self.sampling)
-            token = torch.multinomial(q.cpu(), 1, generator=self.generator).squeeze(1)
+            token = _draw(q.cpu(), 1, self.generator).squeeze(1)
             proposal.tokens[:, i] = token
             proposal.probs[:, i] = q.cpu()
             if not apply_draft_filter(self.draft_filter, proposal, i):
@@ -270,7 +282,7 @@ class ModelDraft(Draft):
         q = logits_to_probs(self._feed_uncached(histories), self.sampling).cpu()  # [B, V]
         tokens = torch.zeros(batch, num_paths, num_drafts, dtype=torch.int64)
         probs = torch.zeros(batch, num_paths, num_drafts, vocab_size, dtype=torch.float32)
-        tokens[:, :, 0] = torch.multinomial(q, num_paths, replacement=True, generator=self.generator)
+        tokens[:, :, 0] = _draw(q, num_paths, self.generator)
         probs[:, :, 0] = q[:, None]
         self._paths = 1
         if num_drafts > 1:
@@ -279,7 +291,7 @@ class ModelDraft(Draft):
         for i in range(1, num_drafts):
             step = self.kv.forward(tokens[:, :, i - 1].reshape(-1, 1), torch.ones(batch * num_paths, dtype=torch.int64))
             q = logits_to_probs(step[:, -1], self.sampling).cpu()  # [B*K, V]
-            tokens[:, :, i] = torch.multinomial(q, 1, generator=self.generator).reshape(batch, num_paths)
+            tokens[:, :, i] = _draw(q, 1, self.generator).reshape(batch, num_paths)
             probs[:, :, i] = q.reshape(batch, num_paths, -1)
             self._drafts_fed += 1
         return tokens, probs
@@ -306,6 +318,11 @@ class ModelDraft(Draft):
     # ---- Test-Time Speculation hooks (see engine/tts_bridge.py) ---------------------------------------------
     tts_trainable_prefixes = ("model.layers",)  # the draft's own decoder layers; embeddings / norm / head frozen
 
+    def tts_refresh(self) -> None:
+        """After a publish: re-pack the trained layers into the native forward's storage (in place)."""
+        if self.native is not None:
+            self.native.refresh_from(self.model)
+
     def tts_shared(self) -> list:
         return []
 
@@ -323,6 +340,14 @@ class ModelDraft(Draft):
         ids = torch.cat([context, drafts[:-1]])[None].to(device)
         # the last C positions of ids are the last context token and d_1..d_{C-1}: they give q_1..q_C
         return module(input_ids=ids, use_cache=False, logits_to_keep=drafts.shape[0]).logits[0]
+
+
+def _draw(probs: torch.Tensor, count: int, generator: torch.Generator) -> torch.Tensor:
+    """``count`` independent samples per row of ``probs [R, V]`` (inverse CDF, coins from ``generator``):
+    ``[R, count] int64``."""
+    rows = probs.shape[0]
+    coins = torch.rand(rows * count, generator=generator, dtype=torch.float64)
+    return sample_from_probs(probs.repeat_interleave(count, dim=0) if count > 1 else probs, coins).view(rows, count)
 
 
 def _pad(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..sampling import SamplingParams, logits_to_probs
-from .drafts import Draft, DraftProposal, _empty_proposal, _pad, apply_draft_filter, trim_proposal
+from .drafts import Draft, DraftProposal, _draw, _empty_proposal, _pad, apply_draft_filter, trim_proposal
 from .eagle import EagleHead
 from .kv import RaggedKVCache
 
@@ -36,9 +36,12 @@ class EagleDraft(Draft):
     supports_paths = True
 
     def __init__(
-        self, head: EagleHead, sampling: SamplingParams, generator: torch.Generator, name: str = "eagle", window: int = 64
+        self, head: EagleHead, sampling: SamplingParams, generator: torch.Generator, name: str = "eagle", window: int = 64,
+        native=None,
     ) -> None:
         self.head = head
+        self.native = native  # a specadapt.engine.native.NativeEagleHead, or None for transformers' modules
+        self.feature_layers = tuple(head.feature_layers)  # target hidden_states the engine must capture
         self.model = head  # the module Test-Time Speculation trains
         self.sampling = sampling
         self.generator = generator
@@ -61,7 +64,12 @@ class EagleDraft(Draft):
 
     def start(self, histories):
         batch = len(histories)
-        self.kv = RaggedKVCache(self.head, batch)
+        if self.native is not None:
+            from .native import SlotKVCache
+
+            self.kv = SlotKVCache(self.native, batch, capacity=self.context_capacity)
+        else:
+            self.kv = RaggedKVCache(self.head, batch)
         self._awaiting_prefill = True
         self._prompt_pairs = torch.tensor([len(h) - 1 for h in histories], dtype=torch.int64)
         self._pending = None
@@ -112,7 +120,7 @@ class EagleDraft(Draft):
     def _sample(self, logits: torch.Tensor, count: int):
         """Sample ``count`` tokens per row from the head's logits; returns ``(ids [B, count], q_small [B, Vd])``."""
         q = logits_to_probs(logits, self.sampling).cpu()
-        picks = torch.multinomial(q, count, replacement=True, generator=self.generator)
+        picks = _draw(q, count, self.generator)
         return self.head.draft_vocab.cpu()[picks], q
 
     def _step(self, tokens: torch.Tensor, g: torch.Tensor):
@@ -206,6 +214,11 @@ class EagleDraft(Draft):
 
     # ---- Test-Time Speculation hooks (see engine/tts_bridge.py) ---------------------------------------------
     tts_trainable_prefixes = ("fuse", "input_proj", "layer")
+
+    def tts_refresh(self) -> None:
+        """After a publish: re-pack the trained head into the native forward's storage (in place)."""
+        if self.native is not None:
+            self.native.refresh_from(self.head)
 
     def tts_shared(self) -> list:
         """Objects a TTS shadow copy must share: the target's embedding / norm / LM-head rows."""

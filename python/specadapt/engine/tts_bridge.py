@@ -130,7 +130,7 @@ class EngineTTS:
         self.vocab = draft.tts_vocab()
         self.updater = TTSUpdater(
             module, trainable, self._loss, config, share=draft.tts_shared(), asynchronous=asynchronous,
-            example_bytes=lambda ex: ex.nbytes,
+            example_bytes=lambda ex: ex.nbytes, on_publish=getattr(draft, "tts_refresh", None),
         )
         logger.info("TTS: training %d tensors (%.1f MB), stride %d, lr %g",
                     len(self.updater.names), self.updater.memory_bytes()["trainable"] / 1e6, config.stride, config.lr)

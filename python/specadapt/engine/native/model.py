@@ -172,6 +172,12 @@ class NativeLlama:
         self.device = final_norm.device
         self._refresh_op_args()
 
+    def refresh_from(self, model: torch.nn.Module) -> None:
+        """Re-pack the decoder layers of ``model`` (the transformers module these were built from, after
+        training) into this model's storage in place; the embedding, final norm and LM head are frozen."""
+        for mine, layer in zip(self.layers, model.model.layers):
+            refresh_layer(mine, layer, type(model).__name__)
+
     def _refresh_op_args(self) -> None:
         self._op_tensors = [t for layer in self.layers for t in layer.op_tensors()]
         self._op_formats = [f for layer in self.layers for f in layer.formats()]
@@ -224,37 +230,9 @@ class NativeLlama:
                 return found
             return pack_weight(tensor, fmt)
 
-        def fused(names: list[str], tensors: list[torch.Tensor], fmt: WeightFormat) -> PackedWeight:
-            parts = [packed(n, t, fmt) for n, t in zip(names, tensors)]
-            if not fmt.is_block:
-                return PackedWeight(fmt, torch.cat([p.data for p in parts]).contiguous())
-            codes = [p.block_codes() for p in parts]
-            cat = lambda i: None if codes[0][i] is None else torch.cat([c[i] for c in codes])  # noqa: E731
-            return PackedWeight.from_blocks(fmt, cat(0), cat(1), cat(2))
-
         keep = len(decoder.layers) if layers is None else layers
-        native_layers = []
-        for i, layer in enumerate(list(decoder.layers)[:keep]):
-            attn, mlp = layer.self_attn, layer.mlp
-            p = f"model.layers.{i}."
-            qkv = fused([p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"],
-                        [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], layer_fmt)
-            if getattr(attn.o_proj, "bias", None) is not None:
-                raise NativeUnsupported(f"--forward native cannot run {type(model).__name__}: an o_proj bias")
-            bias = None
-            if getattr(attn.q_proj, "bias", None) is not None:
-                bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach().float().contiguous()
-            norm = lambda m: None if m is None else m.weight.detach().float().contiguous()  # noqa: E731
-            native_layers.append(_Layer(
-                qkv=qkv,
-                o=packed(p + "self_attn.o_proj.weight", attn.o_proj.weight, layer_fmt),
-                gate_up=fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
-                              [mlp.gate_proj.weight, mlp.up_proj.weight], layer_fmt),
-                down=packed(p + "mlp.down_proj.weight", mlp.down_proj.weight, layer_fmt),
-                norm1=norm(layer.input_layernorm), norm2=norm(layer.post_attention_layernorm),
-                q_norm=norm(getattr(attn, "q_norm", None)), k_norm=norm(getattr(attn, "k_norm", None)),
-                qkv_bias=bias,
-            ))
+        native_layers = [_pack_layer(layer, f"model.layers.{i}.", layer_fmt, packed, type(model).__name__)
+                         for i, layer in enumerate(list(decoder.layers)[:keep])]
         head_module = model.get_output_embeddings()
         tied = head_module.weight.data_ptr() == decoder.embed_tokens.weight.data_ptr()
         embed = packed("model.embed_tokens.weight", decoder.embed_tokens.weight, head_fmt)
@@ -354,6 +332,54 @@ def new_kv_tensors(layers: int, slots: int, kv_heads: int, capacity: int, head_d
     k = torch.zeros(layers, slots, kv_heads, capacity // KEY_TILE, head_dim, KEY_TILE, device=device, dtype=dtype)
     v = torch.zeros(layers, slots, kv_heads, capacity, head_dim, device=device, dtype=dtype)
     return k, v
+
+
+def fuse_rows(parts: list[PackedWeight]) -> PackedWeight:
+    """Stack matrices of one format along their rows (fused q/k/v or gate/up)."""
+    fmt = parts[0].format
+    if not fmt.is_block:
+        return PackedWeight(fmt, torch.cat([p.data for p in parts]).contiguous())
+    codes = [p.block_codes() for p in parts]
+    cat = lambda i: None if codes[0][i] is None else torch.cat([c[i] for c in codes])  # noqa: E731
+    return PackedWeight.from_blocks(fmt, cat(0), cat(1), cat(2))
+
+
+def _pack_layer(layer, prefix: str, fmt: WeightFormat, packed, arch: str) -> _Layer:
+    """One transformers decoder layer as a :class:`_Layer` (``packed(name, tensor, fmt)`` packs one matrix)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    p = prefix
+    qkv = fuse_rows([packed(p + "self_attn.q_proj.weight", attn.q_proj.weight, fmt),
+                     packed(p + "self_attn.k_proj.weight", attn.k_proj.weight, fmt),
+                     packed(p + "self_attn.v_proj.weight", attn.v_proj.weight, fmt)])
+    if getattr(attn.o_proj, "bias", None) is not None:
+        raise NativeUnsupported(f"--forward native cannot run {arch}: an o_proj bias")
+    bias = None
+    if getattr(attn.q_proj, "bias", None) is not None:
+        bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach().float().contiguous()
+    norm = lambda m: None if m is None else m.weight.detach().float().contiguous()  # noqa: E731
+    return _Layer(
+        qkv=qkv,
+        o=packed(p + "self_attn.o_proj.weight", attn.o_proj.weight, fmt),
+        gate_up=fuse_rows([packed(p + "mlp.gate_proj.weight", mlp.gate_proj.weight, fmt),
+                           packed(p + "mlp.up_proj.weight", mlp.up_proj.weight, fmt)]),
+        down=packed(p + "mlp.down_proj.weight", mlp.down_proj.weight, fmt),
+        norm1=norm(layer.input_layernorm), norm2=norm(layer.post_attention_layernorm),
+        q_norm=norm(getattr(attn, "q_norm", None)), k_norm=norm(getattr(attn, "k_norm", None)),
+        qkv_bias=bias,
+    )
+
+
+def refresh_layer(target: _Layer, layer, arch: str = "") -> None:
+    """Re-pack a (trained) transformers layer into ``target``'s storage in place (Test-Time Speculation
+    publishes): kernels and captured graphs holding those tensors then see the new weights."""
+    fresh = _pack_layer(layer, "", target.qkv.format, lambda name, t, fmt: pack_weight(t, fmt), arch)
+    for mine, new in ((target.qkv, fresh.qkv), (target.o, fresh.o), (target.gate_up, fresh.gate_up),
+                      (target.down, fresh.down)):
+        mine.copy_(new)
+    for name in ("norm1", "norm2", "q_norm", "k_norm", "qkv_bias"):
+        mine, new = getattr(target, name), getattr(fresh, name)
+        if mine is not None:
+            mine.copy_(new)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
