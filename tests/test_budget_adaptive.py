@@ -88,7 +88,7 @@ def test_adaptive_greedy_equals_target_only(tiny_target, rule):
     costs = CostTable(target_ms=[10.0, 11.0, 13.0, 16.0, 20.0, 25.0] + [30.0 + 6 * i for i in range(20)],
                       draft_ms=[1.0] * 4)
     av = _adaptive(4, costs)
-    draft = ModelDraft(self_draft(tiny_target, 1), GREEDY, torch.Generator(), "self:1")
+    draft = ModelDraft(self_draft(tiny_target, 1), GREEDY, 0, "self:1")
     results = SpeculativeEngine(tiny_target, draft, GREEDY, 4, rule, adaptive=av).generate(PROMPTS, n, batch_size=4)
     assert [r.output_ids for r in results] == expected
     assert av.verified > 0
@@ -103,10 +103,10 @@ def test_adaptive_sampled_output_follows_the_target_law():
     # a cost that rises steeply with tokens: B* prunes a real share of the drafts
     costs = CostTable(target_ms=[1.0 + 0.0005 * n * n for n in range(1, 20001)], draft_ms=[0.0])
     av = AdaptiveVerification(AcceptanceEstimator(2, refit_interval=1), costs)
-    draft = ModelDraft(self_draft(target, 1), params, torch.Generator().manual_seed(2), "self:1")
+    draft = ModelDraft(self_draft(target, 1), params, 2, "self:1")
     n_req = 4000
     results = SpeculativeEngine(target, draft, params, 2, "chain", seed=3, adaptive=av).generate(
-        [prompt] * n_req, 3, batch_size=n_req)
+        [prompt] * n_req, 3, batch_size=n_req, seeds=list(range(n_req)))
     assert av.pruned > 0 and av.verified > 0, "pruning must be active or the test proves nothing"
     assert_first_tokens_follow(results, _exact_joint(model, prompt, params, 2), n_req)
 
@@ -121,7 +121,7 @@ def test_profile_engine_costs_is_monotone(tiny_target):
 
 def test_adaptive_refuses_gbv(tiny_target):
     av = _adaptive(2, CostTable([1.0], [1.0]))
-    draft = ModelDraft(self_draft(tiny_target, 1), GREEDY, torch.Generator(), "self:1")
+    draft = ModelDraft(self_draft(tiny_target, 1), GREEDY, 0, "self:1")
     with pytest.raises(ValueError, match="adaptive"):
         SpeculativeEngine(tiny_target, draft, GREEDY, 2, "gbv", num_paths=2, adaptive=av)
     # ngram drafts work with it (q one-hot: feature 40)
@@ -143,7 +143,7 @@ def test_early_stop_gives_the_caps_of_full_drafting(tiny_target, budget):
     for mode in ("full", "filter", "caps"):
         av = AdaptiveVerification(estimator, costs, early_stop=mode != "full")
         av.stale_budget = budget
-        draft = ModelDraft(self_draft(tiny_target, 1), params, torch.Generator().manual_seed(11), "self:1")
+        draft = ModelDraft(self_draft(tiny_target, 1), params, 11, "self:1")
         filter_only = functools.partial(av.draft_caps, lookahead=False)
         draft.draft_filter = {"full": None, "filter": filter_only, "caps": av.draft_caps}[mode]
         draft.start(histories)
@@ -226,7 +226,7 @@ def test_draft_caps_reuses_the_features_of_earlier_positions():
 def _one_round(tiny_target, mode, budget, estimator, costs, histories, L, seed=11):
     av = AdaptiveVerification(estimator, costs, early_stop=mode != "full")
     av.stale_budget = budget
-    draft = ModelDraft(self_draft(tiny_target, 1), SamplingParams(1.0), torch.Generator().manual_seed(seed), "self:1")
+    draft = ModelDraft(self_draft(tiny_target, 1), SamplingParams(1.0), seed, "self:1")
     draft.draft_filter = None if mode == "full" else av.draft_caps
     draft.start(histories)
     proposal = draft.propose(histories, torch.full((len(histories),), L), 32)
@@ -259,7 +259,7 @@ def _av_run(target, params, mode, n=24, L=3, seed=0):
     costs = CostTable(target_ms=[1.0] * 64, draft_ms=[0.0])  # verifying is free: every draft pays
     av = AdaptiveVerification(AcceptanceEstimator(L, refit_interval=5), costs, early_stop=mode == "early")
     av.stale_budget = 0  # the budget starts at 0
-    draft = ModelDraft(self_draft(target, 2), params, torch.Generator().manual_seed(seed), "self:2")  # a copy
+    draft = ModelDraft(self_draft(target, 2), params, seed, "self:2")  # a copy
     engine = SpeculativeEngine(target, draft, params, L, "chain", seed=seed, adaptive=av)
     return engine, av, engine.generate(PROMPTS, n, batch_size=4)
 

@@ -25,7 +25,7 @@ def make_head(target_model, vocab_subset=None, seed=3, std=0.3):
 
 
 def eagle(target, params=GREEDY, subset=None, seed=5):
-    return EagleDraft(make_head(target.model, subset), params, torch.Generator().manual_seed(seed))
+    return EagleDraft(make_head(target.model, subset), params, seed)
 
 
 def oracle_first_q(target_model, head, history, params):
@@ -86,7 +86,7 @@ def test_eagle_sampled_output_follows_target_law():
     engine = SpeculativeEngine(target, draft, params, 2, "block", seed=3)
     n_req = 3000
     prompt = [1, 2, 3, 1, 2]
-    results = engine.generate([prompt] * n_req, 3, batch_size=n_req)
+    results = engine.generate([prompt] * n_req, 3, batch_size=n_req, seeds=list(range(n_req)))
     assert any(r.rounds[0].accepted > 0 for r in results)
     assert_first_tokens_follow(results, _exact_joint(model, prompt, params, 2), n_req)
 

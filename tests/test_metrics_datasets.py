@@ -122,7 +122,7 @@ def test_engine_report_and_json_count_tokens_emitted_before_eos_and_the_cap():
     free = seq[5:]
     assert free[2] not in free[:2]
     target = loaded(model, eos=free[2])
-    draft = ModelDraft(self_draft(target, 2), greedy, torch.Generator(), "self:2")  # a copy: always accepted
+    draft = ModelDraft(self_draft(target, 2), greedy, 0, "self:2")  # a copy: always accepted
     res, report = _engine_report(target, draft, "chain", 20)
     assert res.output_ids == free and res.finished_by_eos and len(res.rounds) == 1
     assert res.rounds[0].accepted == 5 and res.rounds[0].emitted == 3
@@ -132,7 +132,7 @@ def test_engine_report_and_json_count_tokens_emitted_before_eos_and_the_cap():
         assert scope["acceptance_by_position"][0]["acceptance_length"] == 3.0
 
     target = loaded(tiny_llama(seed=0))
-    draft = ModelDraft(self_draft(target, 2), greedy, torch.Generator(), "self:2")
+    draft = ModelDraft(self_draft(target, 2), greedy, 0, "self:2")
     res, report = _engine_report(target, draft, "gbv", 4, num_paths=2)
     assert len(res.output_ids) == 4 and res.rounds[0].accepted == 5 and res.rounds[0].emitted == 4
     assert report["summary"]["acceptance_length"] == 4.0

@@ -58,7 +58,7 @@ def test_greedy_speculative_equals_target_only(smollm2, greedy_reference, draft_
 
         draft = build_draft("eagle", smollm2, GREEDY, seed=0)  # the head shipped in the package
     else:
-        draft = ModelDraft(self_draft(smollm2, int(draft_kind[5:])), GREEDY, torch.Generator(), draft_kind)
+        draft = ModelDraft(self_draft(smollm2, int(draft_kind[5:])), GREEDY, 0, draft_kind)
     num_paths = 2 if rule == "gbv" else 1
     results = SpeculativeEngine(smollm2, draft, GREEDY, 5, rule, num_paths=num_paths).generate(prompts, 64, batch_size=2)
     assert [r.output_ids for r in results] == outputs

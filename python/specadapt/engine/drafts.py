@@ -21,6 +21,8 @@ import numpy as np
 import torch
 
 from ..sampling import SamplingParams, logits_to_probs, sample_from_probs
+from . import coins as coins_mod
+from .coins import request_coins
 from .kv import RaggedKVCache
 from .models import LoadedModel
 
@@ -76,6 +78,10 @@ class Draft:
 
     #: Cache positions a request can need, set by the engine before :meth:`start` (native caches preallocate it).
     context_capacity = 256
+
+    #: ``[B] int64`` per-request seeds of the rows, set by the engine at :meth:`start` and kept in step with
+    #: :meth:`select`; a model draft samples with coins of :mod:`specadapt.engine.coins` keyed by them.
+    row_seeds: torch.Tensor | None = None
 
     #: Optional early stop of drafting, ``(step, probs [B, step+1, V], num [B]) -> caps [B] int64`` (see
     #: ``AdaptiveVerification.draft_caps``). Model drafts consult it after each position
@@ -206,18 +212,19 @@ class ModelDraft(Draft):
     Args:
         model: transformers causal LM whose logits are over the target's vocabulary.
         sampling: the run's sampling transform (applied to the draft logits to get ``q``).
-        generator: random generator for the draft's own sampling.
+        seed: the draft's own seed, mixed with each request's seed into the coins it samples with
+            (:func:`draft_coins`).
         name: label used in reports (``self:4``, a path, ...).
         native: the same model on the native forward (:class:`~specadapt.engine.native.NativeLlama`), or
             ``None`` for transformers' forward.
     """
 
-    def __init__(self, model: torch.nn.Module, sampling: SamplingParams, generator: torch.Generator, name: str,
+    def __init__(self, model: torch.nn.Module, sampling: SamplingParams, seed: int, name: str,
                  native=None) -> None:
         self.model = model
         self.native = native
         self.sampling = sampling
-        self.generator = generator
+        self.seed = int(seed)
         self.name = name
         self.kv: RaggedKVCache | None = None
         self._committed_before: torch.Tensor | None = None
@@ -248,7 +255,7 @@ class ModelDraft(Draft):
         last = self._feed_uncached(histories)
         for i in range(length):
             q = logits_to_probs(last, self.sampling)
-            token = _draw(q.cpu(), 1, self.generator).squeeze(1)
+            token = draw_tokens(q.cpu(), draft_coins(self, histories, torch.full((batch, 1), i))).squeeze(1)
             proposal.tokens[:, i] = token
             proposal.probs[:, i] = q.cpu()
             if not apply_draft_filter(self.draft_filter, proposal, i):
@@ -282,7 +289,7 @@ class ModelDraft(Draft):
         q = logits_to_probs(self._feed_uncached(histories), self.sampling).cpu()  # [B, V]
         tokens = torch.zeros(batch, num_paths, num_drafts, dtype=torch.int64)
         probs = torch.zeros(batch, num_paths, num_drafts, vocab_size, dtype=torch.float32)
-        tokens[:, :, 0] = _draw(q, num_paths, self.generator)
+        tokens[:, :, 0] = draw_tokens(q, draft_coins(self, histories, torch.arange(num_paths).expand(batch, -1)))
         probs[:, :, 0] = q[:, None]
         self._paths = 1
         if num_drafts > 1:
@@ -291,7 +298,9 @@ class ModelDraft(Draft):
         for i in range(1, num_drafts):
             step = self.kv.forward(tokens[:, :, i - 1].reshape(-1, 1), torch.ones(batch * num_paths, dtype=torch.int64))
             q = logits_to_probs(step[:, -1], self.sampling).cpu()  # [B*K, V]
-            tokens[:, :, i] = _draw(q, 1, self.generator).reshape(batch, num_paths)
+            index = (i * num_paths + torch.arange(num_paths)).expand(batch, -1)
+            coins = draft_coins(self, histories, index)  # [B, K]: one coin per path
+            tokens[:, :, i] = draw_tokens(q, coins.reshape(-1, 1)).reshape(batch, num_paths)
             probs[:, :, i] = q.reshape(batch, num_paths, -1)
             self._drafts_fed += 1
         return tokens, probs
@@ -314,6 +323,8 @@ class ModelDraft(Draft):
     def select(self, rows):
         if self.kv is not None:
             self.kv.select(rows)
+        if self.row_seeds is not None:
+            self.row_seeds = self.row_seeds.index_select(0, rows.cpu())
 
     # ---- Test-Time Speculation hooks (see engine/tts_bridge.py) ---------------------------------------------
     tts_trainable_prefixes = ("model.layers",)  # the draft's own decoder layers; embeddings / norm / head frozen
@@ -342,12 +353,22 @@ class ModelDraft(Draft):
         return module(input_ids=ids, use_cache=False, logits_to_keep=drafts.shape[0]).logits[0]
 
 
-def _draw(probs: torch.Tensor, count: int, generator: torch.Generator) -> torch.Tensor:
-    """``count`` independent samples per row of ``probs [R, V]`` (inverse CDF, coins from ``generator``):
-    ``[R, count] int64``."""
-    rows = probs.shape[0]
-    coins = torch.rand(rows * count, generator=generator, dtype=torch.float64)
-    return sample_from_probs(probs.repeat_interleave(count, dim=0) if count > 1 else probs, coins).view(rows, count)
+def draft_coins(draft: Draft, histories: list[list[int]], index: torch.Tensor) -> torch.Tensor:
+    """The draft's coins for requests ``histories`` (one row each): ``[B, n] float64`` keyed by the request's seed
+    (``draft.row_seeds``, 0 when unset), the draft's own ``seed``, the request's committed length and ``index``
+    ``[B, n] int64`` (the draft slot, or ``slot * K + path`` when sampling K paths)."""
+    batch = len(histories)
+    seeds = draft.row_seeds if draft.row_seeds is not None else torch.zeros(batch, dtype=torch.int64)
+    seeds = seeds ^ (int(getattr(draft, "seed", 0)) * 0x5851F42D4C957F2D & ((1 << 63) - 1))
+    counters = torch.tensor([len(h) for h in histories], dtype=torch.int64)
+    return request_coins(seeds, counters, coins_mod.DRAFT, index)
+
+
+def draw_tokens(probs: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
+    """Samples of rows ``probs [R, V]`` with coins ``[R, n]`` (n independent draws per row): ``[R, n] int64``."""
+    rows, count = coins.shape
+    source = probs.repeat_interleave(count, dim=0) if count > 1 else probs
+    return sample_from_probs(source, coins.reshape(-1)).view(rows, count)
 
 
 def _pad(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from ..sampling import SamplingParams, logits_to_probs
-from .drafts import Draft, DraftProposal, _draw, _empty_proposal, _pad, apply_draft_filter, trim_proposal
+from .drafts import (Draft, DraftProposal, _empty_proposal, _pad, apply_draft_filter, draft_coins, draw_tokens,
+                     trim_proposal)
 from .eagle import EagleHead
 from .kv import RaggedKVCache
 
@@ -27,7 +28,7 @@ class EagleDraft(Draft):
     Args:
         head: an attached :class:`EagleHead`.
         sampling: the run's sampling transform (applied to the head's logits over its draft vocabulary).
-        generator: random generator of the draft's sampling.
+        seed: the draft's own seed (mixed into the coins it samples with, :func:`~specadapt.engine.drafts.draft_coins`).
         name: label in reports.
         window: recent ``(feature, token)`` pairs kept per request for Test-Time Speculation snapshots.
     """
@@ -36,7 +37,7 @@ class EagleDraft(Draft):
     supports_paths = True
 
     def __init__(
-        self, head: EagleHead, sampling: SamplingParams, generator: torch.Generator, name: str = "eagle", window: int = 64,
+        self, head: EagleHead, sampling: SamplingParams, seed: int = 0, name: str = "eagle", window: int = 64,
         native=None,
     ) -> None:
         self.head = head
@@ -44,7 +45,7 @@ class EagleDraft(Draft):
         self.feature_layers = tuple(head.feature_layers)  # target hidden_states the engine must capture
         self.model = head  # the module Test-Time Speculation trains
         self.sampling = sampling
-        self.generator = generator
+        self.seed = int(seed)
         self.name = name
         self.window = window
         self.kv: RaggedKVCache | None = None
@@ -117,10 +118,11 @@ class EagleDraft(Draft):
         self._pending_counts = torch.zeros(batch, dtype=torch.int64)
         return out.hidden[rows, last], out.logits[rows, last].float(), self.kv.lengths.cpu() > 0
 
-    def _sample(self, logits: torch.Tensor, count: int):
-        """Sample ``count`` tokens per row from the head's logits; returns ``(ids [B, count], q_small [B, Vd])``."""
+    def _sample(self, logits: torch.Tensor, coins: torch.Tensor):
+        """Sample ``n`` tokens per row of the head's logits with ``coins [R, n]``; returns ``(ids [R, n],
+        q_small [R, Vd])``."""
         q = logits_to_probs(logits, self.sampling).cpu()
-        picks = _draw(q, count, self.generator)
+        picks = draw_tokens(q, coins)
         return self.head.draft_vocab.cpu()[picks], q
 
     def _step(self, tokens: torch.Tensor, g: torch.Tensor):
@@ -138,7 +140,7 @@ class EagleDraft(Draft):
         proposal.num_tokens = num
         vocab = self.head.draft_vocab.cpu()
         for i in range(length):
-            token, q = self._sample(logits, 1)
+            token, q = self._sample(logits, draft_coins(self, histories, torch.full((batch, 1), i)))
             token = token[:, 0]
             proposal.tokens[:, i] = token
             proposal.probs[:, i].index_copy_(1, vocab, q)
@@ -166,7 +168,7 @@ class EagleDraft(Draft):
         vocab = self.head.draft_vocab.cpu()
         tokens = torch.zeros(batch, num_paths, num_drafts, dtype=torch.int64)
         probs = torch.zeros(batch, num_paths, num_drafts, vocab_size, dtype=torch.float32)
-        first, q = self._sample(logits, num_paths)
+        first, q = self._sample(logits, draft_coins(self, histories, torch.arange(num_paths).expand(batch, -1)))
         tokens[:, :, 0] = first
         probs[:, :, 0].index_copy_(2, vocab, q[:, None].expand(batch, num_paths, -1).contiguous())
         self._paths = 1
@@ -176,7 +178,8 @@ class EagleDraft(Draft):
             self._paths = num_paths
         for i in range(1, num_drafts):
             g, logits = self._step(tokens[:, :, i - 1].reshape(-1), g)
-            token, q = self._sample(logits, 1)
+            index = (i * num_paths + torch.arange(num_paths)).expand(batch, -1)
+            token, q = self._sample(logits, draft_coins(self, histories, index).reshape(-1, 1))
             tokens[:, :, i] = token.reshape(batch, num_paths)
             probs[:, :, i].index_copy_(2, vocab, q.reshape(batch, num_paths, -1))
         return tokens, probs
@@ -202,6 +205,8 @@ class EagleDraft(Draft):
         if self.kv is not None:
             self.kv.select(rows)
         rows_cpu = rows.cpu()
+        if self.row_seeds is not None:
+            self.row_seeds = self.row_seeds.index_select(0, rows_cpu)
         if self._pending is not None:
             self._pending = self._pending.index_select(0, rows.to(self._pending.device))
         if self._pending_counts is not None:

@@ -58,12 +58,12 @@ def build_draft(
             whose vocabulary differs from the target's.
     """
     kind, value = parse_draft_spec(spec)
-    generator = torch.Generator().manual_seed(seed + 1)
+    draft_seed = seed + 1  # the draft's own seed (its coins also carry each request's seed)
     native = target.native
     if kind == "ngram":
         return NgramDraft()
     if kind == "eagle":
-        return _eagle(value, target, sampling, generator, spec, native_format)
+        return _eagle(value, target, sampling, draft_seed, spec, native_format)
     if kind == "self":
         module = self_draft(target, int(value))
         draft_native = None
@@ -72,21 +72,21 @@ def build_draft(
 
             draft_native = NativeLlama.from_hf(module, native_format or native.dtype_name, gguf_path=target.gguf_path,
                                                kv_dtype=_kv_name(native))
-        return ModelDraft(module, sampling, generator, name=spec, native=draft_native)
+        return ModelDraft(module, sampling, draft_seed, name=spec, native=draft_native)
     draft = load_model(str(value), dtype=dtype, device=device)
     check_same_vocabulary(target, draft)
     if native is not None:
         from .models import attach_forward
 
         attach_forward(draft, "auto", native_format or native.dtype_name, _kv_name(native))
-    return ModelDraft(draft.model, sampling, generator, name=spec, native=draft.native)
+    return ModelDraft(draft.model, sampling, draft_seed, name=spec, native=draft.native)
 
 
 def _kv_name(native) -> str:
     return "float16" if native.kv_dtype == torch.float16 else "float32"
 
 
-def _eagle(path, target: LoadedModel, sampling: SamplingParams, generator: torch.Generator, spec: str,
+def _eagle(path, target: LoadedModel, sampling: SamplingParams, draft_seed: int, spec: str,
            native_format: str | None = None) -> Draft:
     from .eagle import eagle_default_path, load_eagle_head
     from .eagle_draft import EagleDraft
@@ -107,4 +107,4 @@ def _eagle(path, target: LoadedModel, sampling: SamplingParams, generator: torch
         from .native.eagle import NativeEagleHead
 
         native = NativeEagleHead(head, target.native, native_format)
-    return EagleDraft(head, sampling, generator, name=spec, native=native)
+    return EagleDraft(head, sampling, draft_seed, name=spec, native=native)

@@ -23,6 +23,8 @@ import torch
 
 from ..sampling import SamplingParams, logits_to_probs
 from .. import kernels
+from . import coins
+from .coins import request_coins
 from ..verification import get_rule
 from .drafts import Draft, _pad
 from .models import LoadedModel
@@ -76,7 +78,9 @@ class SpeculativeEngine:
         tts: an :class:`~specadapt.engine.tts_bridge.EngineTTS` (Test-Time Speculation of the draft), or
             ``None``. It sees every verified round; weights change only at its publish boundaries.
         ignore_eos: keep decoding past EOS tokens until ``max_new_tokens`` (long-generation measurements).
-        seed: seeds the coins of verification (the draft carries its own generator).
+        seed: the default per-request seed (:meth:`generate` takes one per prompt): every coin of a request comes
+            from its own counter-based stream (:mod:`specadapt.engine.coins`), so its output does not depend on
+            the other requests of the batch.
         verify_impl: ``auto`` (fused C++/CUDA kernel when available, else on CUDA the CuPy JIT of the same kernels,
             else the float64 reference, with a logged warning), ``compiled``, ``cupy`` or ``reference``
             (:func:`specadapt.kernels.choose_implementation`); all give the same tokens for the same coins.
@@ -133,7 +137,7 @@ class SpeculativeEngine:
         if verify_impl not in kernels.IMPLEMENTATIONS:
             raise ValueError(f"verify_impl must be one of {kernels.IMPLEMENTATIONS}, got {verify_impl!r}")
         self.verify_impl = verify_impl
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = int(seed)
         self.eos_ids = set() if ignore_eos else target.eos_token_ids()
         self._hidden_kwargs = {"output_hidden_states": True} if draft.needs_target_hidden else {}
         self.vocab_size = target.vocab_size
@@ -145,6 +149,7 @@ class SpeculativeEngine:
         max_new_tokens: int | list[int],
         batch_size: int = 1,
         on_tokens: Callable[[int], None] | None = None,
+        seeds: list[int] | None = None,
     ) -> list[RequestResult]:
         """Decode every prompt, ``batch_size`` requests at a time.
 
@@ -153,6 +158,8 @@ class SpeculativeEngine:
             max_new_tokens: a limit for all requests or one per request.
             batch_size: requests decoded together (a batch runs until its last request finishes).
             on_tokens: called with the number of tokens emitted after every round (progress bars).
+            seeds: one seed per prompt (default: the engine's ``seed`` for all); a request's output depends on
+                its seed and prompt only.
 
         Returns:
             One :class:`RequestResult` per prompt, in order.
@@ -165,6 +172,9 @@ class SpeculativeEngine:
         limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
         if len(limits) != len(prompts):
             raise ValueError("max_new_tokens must be an int or one value per prompt")
+        seeds = [self.seed] * len(prompts) if seeds is None else [int(s) for s in seeds]
+        if len(seeds) != len(prompts):
+            raise ValueError(f"seeds must hold one seed per prompt ({len(prompts)}), got {len(seeds)}")
         for i, (p, m) in enumerate(zip(prompts, limits)):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty")
@@ -173,10 +183,11 @@ class SpeculativeEngine:
         results = [RequestResult(index=i, prompt_tokens=len(p)) for i, p in enumerate(prompts)]
         for start in range(0, len(prompts), batch_size):
             idx = list(range(start, min(start + batch_size, len(prompts))))
-            self._run_batch([prompts[i] for i in idx], [limits[i] for i in idx], [results[i] for i in idx], on_tokens)
+            self._run_batch([prompts[i] for i in idx], [limits[i] for i in idx], [results[i] for i in idx], on_tokens,
+                            [seeds[i] for i in idx])
         return results
 
-    def _run_batch(self, prompts, limits, results, on_tokens) -> None:
+    def _run_batch(self, prompts, limits, results, on_tokens, seeds) -> None:
         t0 = time.perf_counter()
         histories = [list(p) for p in prompts]
         active = [r for r in range(len(prompts)) if limits[r] > 0]
@@ -199,6 +210,8 @@ class SpeculativeEngine:
                 features = self.draft.target_features(out.hidden_states)
         if self.tts is not None:
             self.tts.start_batch(len(active))  # fresh per-request adapters before the draft's prefill
+        self._row_seeds = torch.tensor([seeds[r] for r in active], dtype=torch.int64)
+        self.draft.row_seeds = self._row_seeds.clone()
         self.draft.start(histories_active)
         if self.draft.needs_target_hidden:
             if features is None:
@@ -243,9 +256,17 @@ class SpeculativeEngine:
                 rows = torch.tensor(keep_rows, dtype=torch.int64)
                 kv.select(rows)
                 self.draft.select(rows)
+                self._row_seeds = self._row_seeds.index_select(0, rows)
                 if self.tts is not None:
                     self.tts.select(rows)
             active = still_active
+
+    def _coins(self, histories: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Verification coins of a round from each request's own stream: ``uniforms [B, width]`` (slot i's coin
+        does not depend on ``width``, the batch's widest proposal) and ``uniforms_final [B]``, float64."""
+        counters = torch.tensor([len(h) for h in histories], dtype=torch.int64)
+        uniforms = request_coins(self._row_seeds, counters, coins.ACCEPT, width)
+        return uniforms, request_coins(self._row_seeds, counters, coins.FINAL, 1)[:, 0]
 
     def context_capacity(self, prompt_lengths: list[int], limits: list[int]) -> int:
         """Cache positions a request of this batch can need: prompt, output and one round's speculative entries
@@ -275,13 +296,14 @@ class SpeculativeEngine:
         if self.draft.needs_target_hidden:
             self.draft.observe_target(self.draft.target_features(out.hidden_states))
         target_probs = _real_row_probs(logits, n_draft + 1, self.sampling)
+        uniforms, uniforms_final = self._coins(histories, width)
         out = kernels.verify(
             self.verify_name,
             candidates,
             target_probs,
             proposal.probs,
-            torch.rand(batch, width, generator=self.generator, dtype=torch.float64),
-            torch.rand(batch, generator=self.generator, dtype=torch.float64),
+            uniforms,
+            uniforms_final,
             num_draft_tokens=n_draft,
             impl=self.verify_impl,
         )
@@ -316,12 +338,13 @@ class SpeculativeEngine:
         rows = torch.arange(batch)[:, None, None]
         target_probs = node_probs[rows, tree.path_slots]  # [B, K, L+1, V]
         candidates = torch.cat([last[:, None, None].expand(batch, K, 1), tokens], dim=2)
+        uniforms, uniforms_final = self._coins(histories, L)
         out = kernels.gbv_verify(
             candidates,
             target_probs,
             q,
-            torch.rand(batch, L, generator=self.generator, dtype=torch.float64),
-            torch.rand(batch, generator=self.generator, dtype=torch.float64),
+            uniforms,
+            uniforms_final,
             impl=self.verify_impl,
         )
         accept_len = out.accept_len.to(torch.int64)

@@ -1,0 +1,77 @@
+"""Per-request random streams: every coin of a request is a function of (its seed, the round, the role of the
+draw, its index), so a request's output depends on its own seed and prompt only, not on what else is in the
+batch or in which order requests run.
+
+A coin is ``u = (h >> 11) * 2^-53`` in ``[0, 1)`` with ``h`` the SplitMix64 finaliser (Steele, Lea, Flood,
+"Fast splittable pseudorandom number generators", OOPSLA 2014) applied twice to a key combining
+
+- ``seed``: the request's seed;
+- ``counter``: the request's committed length (prompt + output) at the start of the round: unique per round,
+  since every round commits at least one token;
+- ``role``: what the coin decides (:data:`ACCEPT` coins of the verification rule, one per draft slot; the
+  :data:`FINAL` coin of the extra token; :data:`DRAFT` coins the draft samples its tokens with);
+- ``index``: the draft slot (and for multi-path drafting ``slot * K + path``).
+
+Counter-based draws need no state to carry between rounds, survive requests leaving the batch, and are cheap
+(a few integer operations per coin). What stays batch-dependent is stated in docs/engine.md: adaptive verification
+chooses one budget for the whole batch, and Test-Time Speculation with a shared draft learns from every request.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ACCEPT", "FINAL", "DRAFT", "request_coins"]
+
+ACCEPT = 1
+FINAL = 2
+DRAFT = 3
+
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
+_MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_MIX2 = -7723592293110705685  # 0x94D049BB133111EB
+_K_SEED = 0x2545F4914F6CDD1D
+_K_COUNTER = -2685821657736338717  # 0xDABA0B6EB09322E3
+_K_ROLE = 0x1B873593
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    z = z + _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def request_coins(seeds: torch.Tensor, counters: torch.Tensor, role: int, index: torch.Tensor | int) -> torch.Tensor:
+    """Coins of one role for a batch of requests.
+
+    Args:
+        seeds: ``[B] int64`` per-request seeds.
+        counters: ``[B] int64`` per-request round counters (committed length at the round's start).
+        role: :data:`ACCEPT`, :data:`FINAL` or :data:`DRAFT`.
+        index: ``[B, n] int64`` coin indices per request, or ``n`` for indices ``0 .. n-1``.
+
+    Returns:
+        ``[B, n] float64`` in ``[0, 1)``.
+
+    Raises:
+        ValueError: mismatched shapes.
+    """
+    seeds = torch.as_tensor(seeds, dtype=torch.int64).cpu()
+    counters = torch.as_tensor(counters, dtype=torch.int64).cpu()
+    if seeds.dim() != 1 or counters.shape != seeds.shape:
+        raise ValueError(f"seeds and counters must both be [B], got {tuple(seeds.shape)} and {tuple(counters.shape)}")
+    if isinstance(index, int):
+        index = torch.arange(index, dtype=torch.int64).expand(seeds.shape[0], index)
+    index = torch.as_tensor(index, dtype=torch.int64).cpu()
+    if index.dim() != 2 or index.shape[0] != seeds.shape[0]:
+        raise ValueError(f"index must be [B, n] with B = {seeds.shape[0]}, got {tuple(index.shape)}")
+    key = _mix(seeds * _K_SEED + role * _K_ROLE)
+    key = _mix(key ^ (counters * _K_COUNTER))
+    z = _mix(key[:, None] + index)
+    return _shr(z, 11).double() * (2.0 ** -53)
