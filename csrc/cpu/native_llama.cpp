@@ -116,9 +116,9 @@ void rms_norm_rows(const float* x, const float* weight, int64_t rows, int64_t di
                    double eps, float* out) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * ld_in;
-    float acc = 0.f;
-    for (int64_t i = 0; i < dim; ++i) acc += xr[i] * xr[i];
-    const float inv = 1.f / std::sqrt(acc / static_cast<float>(dim) + static_cast<float>(eps));
+    double acc = 0.0;  // the mean square in double: one rounding, as the float32 reference's reduction nearly is
+    for (int64_t i = 0; i < dim; ++i) acc += static_cast<double>(xr[i]) * xr[i];
+    const float inv = static_cast<float>(1.0 / std::sqrt(acc / static_cast<double>(dim) + eps));
     float* o = out + r * ld_out;
     for (int64_t i = 0; i < dim; ++i) o[i] = weight[i] * (xr[i] * inv);
   }

@@ -1,0 +1,161 @@
+"""The speculative engine on the native forward: greedy output equals target-only greedy output (chain, block,
+GBV, adaptive verification, Test-Time Speculation; every weight format against its own target-only run), the
+sampled output follows the target's exact law (chi-square), a request's output depends on its seed and prompt
+only (per-request streams, bitwise with the native forward), and TTS publishes reach the native weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import loaded, tiny_llama
+from test_eagle import make_head
+from test_engine_tiny import GREEDY, PROMPTS, _exact_joint, assert_first_tokens_follow, naive_greedy
+from specadapt import kernels
+from specadapt.budget import CostTable
+from specadapt.budget.adaptive import AdaptiveVerification
+from specadapt.engine import ModelDraft, NgramDraft, NoDraft, SpeculativeEngine
+from specadapt.engine.drafts import self_draft
+from specadapt.engine.eagle_draft import EagleDraft
+from specadapt.engine.models import attach_forward
+from specadapt.engine.native import NativeLlama, SlotKVCache
+from specadapt.engine.native.eagle import NativeEagleHead
+from specadapt.estimator import AcceptanceEstimator
+from specadapt.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not kernels.has_op_for("native_llama_forward", torch.device("cpu")),
+                                reason="specadapt._C built without the native kernels")
+
+
+def native_target(fmt="float32", seed=0, vocab=32, layers=2):
+    target = loaded(tiny_llama(vocab=vocab, layers=layers, seed=seed))
+    assert attach_forward(target, "native", fmt) == fmt
+    assert isinstance(target.native, NativeLlama) and target.forward_name == "native"
+    return target
+
+
+def native_draft(target, kind, params=GREEDY, seed=5, subset=None):
+    if kind == "ngram":
+        return NgramDraft()
+    if kind == "eagle":
+        head = make_head(target.model, torch.arange(0, target.vocab_size, 2) if subset is None else subset)
+        return EagleDraft(head, params, seed, native=NativeEagleHead(head, target.native))
+    module = self_draft(target, 1)
+    return ModelDraft(module, params, seed, "self:1", native=NativeLlama.from_hf(module, target.native.dtype_name))
+
+
+@pytest.mark.parametrize("rule", ["chain", "block", "gbv"])
+@pytest.mark.parametrize("kind", ["ngram", "self:1", "eagle"])
+def test_greedy_speculative_output_equals_greedy_decoding(rule, kind):
+    if rule == "gbv" and kind == "ngram":
+        pytest.skip("GBV needs a draft that samples its paths")
+    target = native_target()
+    n = 20
+    prompts = [p for p in PROMPTS if len(p) > 1]
+    expected = [naive_greedy(target.model, p, n) for p in prompts]  # transformers, no cache
+    paths = 2 if rule == "gbv" else 1
+    engine = SpeculativeEngine(target, native_draft(target, kind), GREEDY, 3, rule, num_paths=paths)
+    assert [r.output_ids for r in engine.generate(prompts, n, batch_size=3)] == expected
+    base = SpeculativeEngine(target, NoDraft(), GREEDY, 0).generate(prompts, n, batch_size=2)
+    assert [r.output_ids for r in base] == expected
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4"])
+def test_quantised_formats_keep_their_own_target_only_greedy_output(fmt):
+    target = native_target(fmt)
+    n = 20
+    base = [r.output_ids for r in SpeculativeEngine(target, NoDraft(), GREEDY, 0).generate(PROMPTS, n, batch_size=1)]
+    for kind in ("ngram", "self:1", "eagle"):
+        engine = SpeculativeEngine(target, native_draft(target, kind), GREEDY, 3, "block")
+        assert [r.output_ids for r in engine.generate(PROMPTS, n, batch_size=3)] == base, kind
+
+
+def test_adaptive_verification_on_the_native_path_keeps_greedy_output():
+    target = native_target()
+    n = 24
+    expected = [naive_greedy(target.model, p, n) for p in PROMPTS]
+    av = AdaptiveVerification(AcceptanceEstimator(4, refit_interval=5), CostTable(target_ms=[1.0] * 32, draft_ms=[0.5]))
+    engine = SpeculativeEngine(target, native_draft(target, "self:1"), GREEDY, 4, "chain", adaptive=av)
+    assert [r.output_ids for r in engine.generate(PROMPTS, n, batch_size=4)] == expected
+    assert av.verified > 0
+
+
+@pytest.mark.parametrize("rule,kind", [("chain", "self:1"), ("block", "eagle")])
+def test_sampled_output_follows_the_target_law_on_the_native_path(rule, kind):
+    """Chi-square of the first two emitted tokens over 3000 requests against the exact target joint law."""
+    target = loaded(tiny_llama(vocab=8, layers=3, seed=4, init_std=0.3))
+    attach_forward(target, "native", "float32")
+    params = SamplingParams(1.0, top_p=0.95)
+    prompt = [1, 2, 3, 1, 2]
+    draft = native_draft(target, kind, params, seed=2, subset=torch.tensor([0, 2, 3, 5, 6]))
+    engine = SpeculativeEngine(target, draft, params, 2, rule, seed=3)
+    n_req = 3000
+    results = engine.generate([prompt] * n_req, 3, batch_size=n_req, seeds=list(range(n_req)))
+    assert any(r.rounds[0].accepted > 0 for r in results), "the draft never helped: the test would be vacuous"
+    assert_first_tokens_follow(results, _exact_joint(target.model, prompt, params, 2), n_req)
+
+
+@pytest.mark.parametrize("kind,rule", [("none", "chain"), ("ngram", "block"), ("self:1", "chain"),
+                                       ("eagle", "block"), ("self:1", "gbv")])
+def test_a_requests_output_depends_on_its_seed_and_prompt_only(kind, rule):
+    target = native_target("int4", vocab=48)
+    params = SamplingParams(1.0, top_p=0.9)
+    prompt, n = [5, 9, 2, 7, 1, 3], 30
+    others = [[1, 2, 3], [4] * 9, [6, 6, 8, 1, 2]]
+
+    def run(prompts, seeds, batch):
+        draft = NoDraft() if kind == "none" else native_draft(target, kind, params)
+        L = 0 if kind == "none" else 3
+        engine = SpeculativeEngine(target, draft, params, L, rule, num_paths=2 if rule == "gbv" else 1)
+        return engine.generate(prompts, n, batch_size=batch, seeds=seeds)
+
+    alone = run([prompt], [42], 1)[0].output_ids
+    first = run([prompt] + others, [42, 1, 2, 3], 4)[0].output_ids
+    last = run(others + [prompt], [7, 8, 9, 42], 4)[3].output_ids
+    assert alone == first == last
+    assert run([prompt], [43], 1)[0].output_ids != alone  # another seed, another sample
+
+
+def test_tts_publishes_reach_the_native_weights_in_place():
+    """A publish re-packs the trained module into the same native storage: the native draft's logits become the
+    new weights' logits with no new tensors (what captured graphs / compiled kernels rely on)."""
+    target = native_target()
+    draft = native_draft(target, "self:1")
+    storage = [t.data_ptr() for t in draft.native._op_tensors if t is not None]
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    counts = torch.tensor([5])
+    before = SlotKVCache(draft.native, 1, 16).forward(ids, counts)
+    with torch.no_grad():
+        for p in draft.model.model.layers.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    draft.tts_refresh()
+    after = SlotKVCache(draft.native, 1, 16).forward(ids, counts)
+    fresh = SlotKVCache(NativeLlama.from_hf(draft.model, "float32"), 1, 16).forward(ids, counts)
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, fresh, atol=1e-5, rtol=0)
+    assert storage == [t.data_ptr() for t in draft.native._op_tensors if t is not None]
+
+
+def test_tts_on_the_native_path_keeps_greedy_output():
+    from specadapt.engine.tts_bridge import EngineTTS
+    from specadapt.tts import TTSConfig
+
+    target = native_target()
+    n = 24
+    expected = [naive_greedy(target.model, p, n) for p in PROMPTS]
+    for kind in ("self:1", "eagle"):
+        draft = native_draft(target, kind)
+        tts = EngineTTS(draft, TTSConfig(stride=2, lr=1e-3), GREEDY, asynchronous=False)
+        engine = SpeculativeEngine(target, draft, GREEDY, 3, "block", tts=tts)
+        assert [r.output_ids for r in engine.generate(PROMPTS, n, batch_size=2)] == expected
+        assert tts.stats.publishes > 0
+        tts.close()
+
+
+def test_forward_flags_refuse_what_cannot_run():
+    target = loaded(tiny_llama())
+    with pytest.raises(ValueError, match="--dtype int4 needs the native forward"):
+        attach_forward(target, "hf", "int4")
+    with pytest.raises(ValueError, match="--forward"):
+        attach_forward(target, "fast", "float32")
+    assert attach_forward(target, "hf", "auto") == "float32" and target.native is None
