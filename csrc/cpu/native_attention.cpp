@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -228,16 +229,29 @@ SA_ATT512 void accumulate_block_avx512(const T* rows, int64_t count, int64_t D, 
   }
 }
 
+// float16 entries -> float32 (n a multiple of 16), once per tile / value block of a unit.
+SA_ATT512 void widen_block(const uint16_t* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
+}
+
 template <typename T>
 SA_ATT512 void unit_avx512(const Unit& u, const float* q, int64_t ldq, const T* k_layer, const T* v_layer,
                            int64_t Hkv, int64_t C, int64_t D, float scale, float* partial, std::vector<float>& scores) {
+  constexpr bool kHalf = std::is_same<T, uint16_t>::value;
   const int64_t Q = static_cast<int64_t>(u.queries.size());
   const int64_t t0 = u.k0 / kKeyTile, t1 = (u.k1 + kKeyTile - 1) / kKeyTile;
   const int64_t width = (t1 - t0) * kKeyTile;
   scores.resize(Q * width);
+  std::vector<float> wide(kHalf ? D * kKeyTile : 0);  // a float16 tile / value block widened once for all queries
   // 1. scores, 4 queries at a time per tile (the tile stays in L1 across the groups)
   for (int64_t t = t0; t < t1; ++t) {
-    const T* tile = key_tile(k_layer, u.slot, u.kvh, Hkv, C, D, t);
+    const float* tile;
+    if constexpr (kHalf) {
+      widen_block(key_tile(k_layer, u.slot, u.kvh, Hkv, C, D, t), D * kKeyTile, wide.data());
+      tile = wide.data();
+    } else {
+      tile = key_tile(k_layer, u.slot, u.kvh, Hkv, C, D, t);
+    }
     for (int64_t q0 = 0; q0 < Q; q0 += 4) {
       const int count = static_cast<int>(std::min<int64_t>(4, Q - q0));
       const float* qs[4];
@@ -247,10 +261,10 @@ SA_ATT512 void unit_avx512(const Unit& u, const float* q, int64_t ldq, const T* 
         outs[g] = scores.data() + (q0 + g) * width + (t - t0) * kKeyTile;
       }
       switch (count) {
-        case 1: score_tile_avx512<1, T>(tile, qs, D, outs); break;
-        case 2: score_tile_avx512<2, T>(tile, qs, D, outs); break;
-        case 3: score_tile_avx512<3, T>(tile, qs, D, outs); break;
-        default: score_tile_avx512<4, T>(tile, qs, D, outs);
+        case 1: score_tile_avx512<1, float>(tile, qs, D, outs); break;
+        case 2: score_tile_avx512<2, float>(tile, qs, D, outs); break;
+        case 3: score_tile_avx512<3, float>(tile, qs, D, outs); break;
+        default: score_tile_avx512<4, float>(tile, qs, D, outs);
       }
     }
   }
@@ -292,6 +306,13 @@ SA_ATT512 void unit_avx512(const Unit& u, const float* q, int64_t ldq, const T* 
   const T* V = v_layer + (u.slot * Hkv + u.kvh) * C * D;
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t first = std::max(u.k0, t * kKeyTile), last = std::min(u.k1, (t + 1) * kKeyTile);
+    const float* rows;
+    if constexpr (kHalf) {
+      widen_block(V + first * D, (last - first) * D, wide.data());  // (last - first) * D is a multiple of 16
+      rows = wide.data();
+    } else {
+      rows = V + first * D;
+    }
     for (int64_t q0 = 0; q0 < Q; q0 += 4) {
       const int count = static_cast<int>(std::min<int64_t>(4, Q - q0));
       const float* ps[4];
@@ -304,13 +325,12 @@ SA_ATT512 void unit_avx512(const Unit& u, const float* q, int64_t ldq, const T* 
         os[live] = partial + (q0 + g) * (D + 2) + 2;
         ++live;
       }
-      const T* rows = V + first * D;
       switch (live) {
         case 0: break;
-        case 1: accumulate_block_avx512<1, T>(rows, last - first, D, ps, os); break;
-        case 2: accumulate_block_avx512<2, T>(rows, last - first, D, ps, os); break;
-        case 3: accumulate_block_avx512<3, T>(rows, last - first, D, ps, os); break;
-        default: accumulate_block_avx512<4, T>(rows, last - first, D, ps, os);
+        case 1: accumulate_block_avx512<1, float>(rows, last - first, D, ps, os); break;
+        case 2: accumulate_block_avx512<2, float>(rows, last - first, D, ps, os); break;
+        case 3: accumulate_block_avx512<3, float>(rows, last - first, D, ps, os); break;
+        default: accumulate_block_avx512<4, float>(rows, last - first, D, ps, os);
       }
     }
   }

@@ -19,6 +19,7 @@ chooses one budget for the whole batch, and Test-Time Speculation with a shared 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 __all__ = ["ACCEPT", "FINAL", "DRAFT", "request_coins"]
@@ -27,24 +28,20 @@ ACCEPT = 1
 FINAL = 2
 DRAFT = 3
 
-_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
-_MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
-_MIX2 = -7723592293110705685  # 0x94D049BB133111EB
-_K_SEED = 0x2545F4914F6CDD1D
-_K_COUNTER = -2685821657736338717  # 0xDABA0B6EB09322E3
-_K_ROLE = 0x1B873593
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_K_SEED = np.uint64(0x2545F4914F6CDD1D)
+_K_COUNTER = np.uint64(0xDABA0B6EB09322E3)
+_K_ROLE = np.uint64(0x1B873593)
 
 
-def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def _mix(z: torch.Tensor) -> torch.Tensor:
+def _mix(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser on uint64 (wrapping arithmetic)."""
     z = z + _GOLDEN
-    z = (z ^ _shr(z, 30)) * _MIX1
-    z = (z ^ _shr(z, 27)) * _MIX2
-    return z ^ _shr(z, 31)
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
 
 
 def request_coins(seeds: torch.Tensor, counters: torch.Tensor, role: int, index: torch.Tensor | int) -> torch.Tensor:
@@ -62,16 +59,18 @@ def request_coins(seeds: torch.Tensor, counters: torch.Tensor, role: int, index:
     Raises:
         ValueError: mismatched shapes.
     """
-    seeds = torch.as_tensor(seeds, dtype=torch.int64).cpu()
-    counters = torch.as_tensor(counters, dtype=torch.int64).cpu()
-    if seeds.dim() != 1 or counters.shape != seeds.shape:
-        raise ValueError(f"seeds and counters must both be [B], got {tuple(seeds.shape)} and {tuple(counters.shape)}")
+    seeds = np.asarray(torch.as_tensor(seeds, dtype=torch.int64).cpu().numpy()).astype(np.uint64)
+    counters = np.asarray(torch.as_tensor(counters, dtype=torch.int64).cpu().numpy()).astype(np.uint64)
+    if seeds.ndim != 1 or counters.shape != seeds.shape:
+        raise ValueError(f"seeds and counters must both be [B], got {seeds.shape} and {counters.shape}")
     if isinstance(index, int):
-        index = torch.arange(index, dtype=torch.int64).expand(seeds.shape[0], index)
-    index = torch.as_tensor(index, dtype=torch.int64).cpu()
-    if index.dim() != 2 or index.shape[0] != seeds.shape[0]:
-        raise ValueError(f"index must be [B, n] with B = {seeds.shape[0]}, got {tuple(index.shape)}")
-    key = _mix(seeds * _K_SEED + role * _K_ROLE)
-    key = _mix(key ^ (counters * _K_COUNTER))
-    z = _mix(key[:, None] + index)
-    return _shr(z, 11).double() * (2.0 ** -53)
+        index = np.broadcast_to(np.arange(index, dtype=np.uint64), (seeds.shape[0], index))
+    else:
+        index = torch.as_tensor(index, dtype=torch.int64).cpu().numpy().astype(np.uint64)
+    if index.ndim != 2 or index.shape[0] != seeds.shape[0]:
+        raise ValueError(f"index must be [B, n] with B = {seeds.shape[0]}, got {index.shape}")
+    with np.errstate(over="ignore"):
+        key = _mix(seeds * _K_SEED + np.uint64(role) * _K_ROLE)
+        key = _mix(key ^ (counters * _K_COUNTER))
+        z = _mix(key[:, None] + index)
+    return torch.from_numpy((z >> np.uint64(11)).astype(np.float64) * (2.0 ** -53))
