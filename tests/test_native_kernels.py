@@ -127,3 +127,18 @@ def test_bad_weight_arguments_name_the_problem():
         ops.native_set_isa("neon")
     with pytest.raises(ValueError, match="divisible by 32"):
         pack_weight(torch.randn(4, 40), WeightFormat.Q8_0)
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat.Q8_0, WeightFormat.Q4_1])
+@pytest.mark.parametrize("rows", [5, 16, 50])
+def test_cpp_packing_equals_the_reference_rule_bit_for_bit(fmt, rows):
+    from specadapt.engine.native.formats import _pack_blocks_reference
+
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(rows, 96, generator=g)
+    w[1, 32:64] = 0.0
+    got = pack_weight(w, fmt)
+    want = _pack_blocks_reference(w, fmt)
+    for a, b in zip(got.tensors(), want.tensors()):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert got.rows == want.rows == rows

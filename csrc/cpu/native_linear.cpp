@@ -395,6 +395,61 @@ at::Tensor native_embedding_cpu(const at::Tensor& ids, const at::Tensor& data, c
   return out;
 }
 
+// Round-to-nearest block quantisation of a float32 [N, K] matrix into the interleaved layout (the rule of
+// python/specadapt/engine/native/formats.py:pack_weight, bit for bit).
+std::vector<at::Tensor> native_pack_cpu(const at::Tensor& weight, int64_t format) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2, "weight must be [N, K] float32, got ",
+              weight.sizes(), " ", weight.scalar_type());
+  TORCH_CHECK(format == kQ8_0 || format == kQ4_1, "native_pack packs Q8_0 (2) or Q4_1 (3), got ", format);
+  const at::Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(K % kBlock == 0, "K must be divisible by 32, got ", K);
+  const int64_t nb = K / kBlock, groups = (N + 15) / 16;
+  const bool q4 = format == kQ4_1;
+  at::Tensor data = at::zeros({groups, nb * (q4 ? 256 : 512)}, w.options().dtype(q4 ? at::kByte : at::kChar));
+  at::Tensor scales = at::zeros({groups, nb * 16}, w.options().dtype(at::kHalf));
+  at::Tensor mins = q4 ? at::zeros({groups, nb * 16}, w.options().dtype(at::kHalf)) : at::Tensor();
+  const float* src = w.data_ptr<float>();
+  uint16_t* sc = reinterpret_cast<uint16_t*>(scales.data_ptr());
+  uint16_t* mn = q4 ? reinterpret_cast<uint16_t*>(mins.data_ptr()) : nullptr;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t g = n / 16, r = n % 16;
+      for (int64_t b = 0; b < nb; ++b) {
+        const float* x = src + n * K + b * kBlock;
+        int32_t code[kBlock];
+        if (!q4) {
+          float amax = 0.f;
+          for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(x[j]));
+          const c10::Half d(amax / 127.f);
+          const float df = static_cast<float>(d);
+          const float inv = df > 0.f ? 1.f / df : 0.f;
+          for (int j = 0; j < kBlock; ++j) code[j] = static_cast<int32_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x[j] * inv))));
+          sc[(g * nb + b) * 16 + r] = d.x;
+          int8_t* blk = static_cast<int8_t*>(data.data_ptr()) + (g * nb + b) * 512;
+          for (int k = 0; k < kBlock; ++k) blk[(k / 4) * 64 + r * 4 + k % 4] = static_cast<int8_t>(code[k]);
+        } else {
+          float lo = x[0], hi = x[0];
+          for (int j = 1; j < kBlock; ++j) {
+            lo = std::min(lo, x[j]);
+            hi = std::max(hi, x[j]);
+          }
+          const c10::Half d((hi - lo) / 15.f), m(lo);
+          const float df = static_cast<float>(d), mf = static_cast<float>(m);
+          const float inv = df > 0.f ? 1.f / df : 0.f;
+          for (int j = 0; j < kBlock; ++j) code[j] = static_cast<int32_t>(std::min(15.f, std::max(0.f, std::nearbyint((x[j] - mf) * inv))));
+          sc[(g * nb + b) * 16 + r] = d.x;
+          mn[(g * nb + b) * 16 + r] = m.x;
+          uint8_t* blk = static_cast<uint8_t*>(data.data_ptr()) + (g * nb + b) * 256;
+          for (int k = 0; k < 16; ++k)
+            blk[((k / 4) % 4) * 64 + r * 4 + k % 4] = static_cast<uint8_t>(code[k] | (code[k + 16] << 4));
+        }
+      }
+    }
+  });
+  return q4 ? std::vector<at::Tensor>{data, scales, mins} : std::vector<at::Tensor>{data, scales};
+}
+
 }  // namespace
 
 std::string native_set_isa(const std::string& name) {
@@ -424,6 +479,8 @@ TORCH_LIBRARY_FRAGMENT(specadapt, m) {
   m.def("native_dequantize(Tensor data, Tensor? scales, Tensor? mins, int format, int rows=-1) -> Tensor");
   // Rows ids [R] int64 of a [N, K] table (an embedding) as float32 [R, K].
   m.def("native_embedding(Tensor ids, Tensor data, Tensor? scales, Tensor? mins, int format, int rows=-1) -> Tensor");
+  // Round-to-nearest Q8_0 / Q4_1 packing of a float32 [N, K] matrix -> [data, scales(, mins)] (interleaved).
+  m.def("native_pack(Tensor weight, int format) -> Tensor[]");
   // Force ("scalar", "avx2", "avx512") or query ("") the instruction set of the native CPU kernels.
   m.def("native_set_isa(str name) -> str", &specadapt::cpu::native::native_set_isa);
 }
@@ -432,4 +489,5 @@ TORCH_LIBRARY_IMPL(specadapt, CPU, m) {
   m.impl("native_linear", &specadapt::cpu::native::native_linear_cpu);
   m.impl("native_dequantize", &specadapt::cpu::native::native_dequantize_cpu);
   m.impl("native_embedding", &specadapt::cpu::native::native_embedding_cpu);
+  m.impl("native_pack", &specadapt::cpu::native::native_pack_cpu);
 }

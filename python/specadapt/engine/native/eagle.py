@@ -89,5 +89,5 @@ class NativeEagleHead:
         fmt = self.fuse.format
         self.fuse.copy_(pack_weight(head.fuse.weight, fmt))
         self.input_proj.copy_(pack_weight(head.input_proj.weight, fmt))
-        refresh_layer(self.stack.layers[0], head.layer, "EagleHead")
+        refresh_layer(self.stack.layers[0], head.layer)
 

@@ -212,6 +212,17 @@ def pack_weight(weight: torch.Tensor, fmt: WeightFormat) -> PackedWeight:
     rows, cols = w.shape
     if cols % BLOCK:
         raise ValueError(f"{fmt.name} needs K divisible by {BLOCK}, got K = {cols}")
+    from ... import kernels
+
+    if kernels.has_op_for("native_pack", w.device):  # the same rule in C++ (Test-Time Speculation re-packs often)
+        parts = torch.ops.specadapt.native_pack(w.contiguous(), int(fmt))
+        return PackedWeight(fmt, parts[0], parts[1], parts[2] if len(parts) > 2 else None, rows)
+    return _pack_blocks_reference(w, fmt)
+
+
+def _pack_blocks_reference(w: torch.Tensor, fmt: WeightFormat) -> PackedWeight:
+    """:func:`pack_weight` for the block formats in PyTorch operations (the C++ op's reference)."""
+    rows, cols = w.shape
     blocks = w.view(rows, cols // BLOCK, BLOCK)
     if fmt == WeightFormat.Q8_0:
         d = (blocks.abs().amax(dim=2) / 127).half()

@@ -176,7 +176,7 @@ class NativeLlama:
         """Re-pack the decoder layers of ``model`` (the transformers module these were built from, after
         training) into this model's storage in place; the embedding, final norm and LM head are frozen."""
         for mine, layer in zip(self.layers, model.model.layers):
-            refresh_layer(mine, layer, type(model).__name__)
+            refresh_layer(mine, layer)
 
     def _refresh_op_args(self) -> None:
         self._op_tensors = [t for layer in self.layers for t in layer.op_tensors()]
@@ -369,17 +369,25 @@ def _pack_layer(layer, prefix: str, fmt: WeightFormat, packed, arch: str) -> _La
     )
 
 
-def refresh_layer(target: _Layer, layer, arch: str = "") -> None:
+def refresh_layer(target: _Layer, layer) -> None:
     """Re-pack a (trained) transformers layer into ``target``'s storage in place (Test-Time Speculation
-    publishes): kernels and captured graphs holding those tensors then see the new weights."""
-    fresh = _pack_layer(layer, "", target.qkv.format, lambda name, t, fmt: pack_weight(t, fmt), arch)
-    for mine, new in ((target.qkv, fresh.qkv), (target.o, fresh.o), (target.gate_up, fresh.gate_up),
-                      (target.down, fresh.down)):
-        mine.copy_(new)
-    for name in ("norm1", "norm2", "q_norm", "k_norm", "qkv_bias"):
-        mine, new = getattr(target, name), getattr(fresh, name)
-        if mine is not None:
-            mine.copy_(new)
+    publishes): kernels and captured graphs holding those tensors then see the new weights. Fused matrices are
+    packed from their concatenation (block quantisation is per row, so that equals fusing packed parts)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    fmt = target.qkv.format
+    with torch.no_grad():
+        qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).float()
+        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).float()
+        for mine, weight in ((target.qkv, qkv), (target.o, attn.o_proj.weight), (target.gate_up, gate_up),
+                             (target.down, mlp.down_proj.weight)):
+            mine.copy_(pack_weight(weight, fmt))
+        norms = {"norm1": layer.input_layernorm, "norm2": layer.post_attention_layernorm,
+                 "q_norm": getattr(attn, "q_norm", None), "k_norm": getattr(attn, "k_norm", None)}
+        for name, module in norms.items():
+            if getattr(target, name) is not None:
+                getattr(target, name).copy_(module.weight)
+        if target.qkv_bias is not None:
+            target.qkv_bias.copy_(torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
