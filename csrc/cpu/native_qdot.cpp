@@ -203,7 +203,7 @@ SA_VNNI void qdot_tile_vnni(const WeightView& w, int64_t group, const QuantizedA
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) a[r] = xa.codes.data() + (m0 + r) * K;
   __m512 acc[R], macc[R];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(15);
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -225,7 +225,7 @@ SA_VNNI void qdot_tile_vnni(const WeightView& w, int64_t group, const QuantizedA
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + b * 16)));
     const __m512 mw = Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + b * 16)))
                          : _mm512_mul_ps(d, _mm512_set1_ps(-128.f));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const int8_t* ab = a[r] + b * kBlock;
       __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
@@ -240,20 +240,36 @@ SA_VNNI void qdot_tile_vnni(const WeightView& w, int64_t group, const QuantizedA
       macc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xa.scaled_sum[m * nb + b]), macc[r]);
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy, out_mask, _mm512_add_ps(acc[r], macc[r]));
+}
+
+// Activation rows in tiles of up to 8 (a weight vector unpacked once serves the whole tile; 2 accumulators per
+// row + 8 weight vectors fit the 32 registers).
+template <bool Q4>
+SA_VNNI void qdot_rows_vnni(const WeightView& w, int64_t group, const QuantizedActivations& xa, float* y, int64_t ldy,
+                            __mmask16 mask) {
+  int64_t m = 0;
+  for (; m + 8 <= xa.M; m += 8) qdot_tile_vnni<8, Q4>(w, group, xa, m, y + m * ldy, ldy, mask);
+  switch (xa.M - m) {
+    case 7: qdot_tile_vnni<7, Q4>(w, group, xa, m, y + m * ldy, ldy, mask); break;
+    case 6: qdot_tile_vnni<6, Q4>(w, group, xa, m, y + m * ldy, ldy, mask); break;
+    case 5: qdot_tile_vnni<5, Q4>(w, group, xa, m, y + m * ldy, ldy, mask); break;
+    case 4: qdot_tile_vnni<4, Q4>(w, group, xa, m, y + m * ldy, ldy, mask); break;
+    case 3: qdot_tile_vnni<3, Q4>(w, group, xa, m, y + m * ldy, ldy, mask); break;
+    case 2: qdot_tile_vnni<2, Q4>(w, group, xa, m, y + m * ldy, ldy, mask); break;
+    case 1: qdot_tile_vnni<1, Q4>(w, group, xa, m, y + m * ldy, ldy, mask); break;
+    default: break;
+  }
 }
 
 SA_VNNI void qdot_group_vnni(const WeightView& w, int64_t group, const QuantizedActivations& xa, float* y,
                              int64_t ldy, int64_t rows_here) {
   const __mmask16 mask = rows_here >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << rows_here) - 1);
-  int64_t m = 0;
   if (w.format == kQ4_1) {
-    for (; m + 4 <= xa.M; m += 4) qdot_tile_vnni<4, true>(w, group, xa, m, y + m * ldy, ldy, mask);
-    for (; m < xa.M; ++m) qdot_tile_vnni<1, true>(w, group, xa, m, y + m * ldy, ldy, mask);
+    qdot_rows_vnni<true>(w, group, xa, y, ldy, mask);
   } else {
-    for (; m + 4 <= xa.M; m += 4) qdot_tile_vnni<4, false>(w, group, xa, m, y + m * ldy, ldy, mask);
-    for (; m < xa.M; ++m) qdot_tile_vnni<1, false>(w, group, xa, m, y + m * ldy, ldy, mask);
+    qdot_rows_vnni<false>(w, group, xa, y, ldy, mask);
   }
 }
 
