@@ -50,6 +50,17 @@ def _run(capsys, *argv):
         (["--draft", "eagle:"], "--draft"),
         (["--tts", "--draft", "self:2", "--tts-topk", "-1"], "--tts-topk"),
         (["--verify-impl", "cupy"], "--verify-impl cupy"),
+        (["--min-p", "1.5"], "--min-p"),
+        (["--min-p", "-0.1"], "--min-p"),
+        (["--repetition-penalty", "0"], "--repetition-penalty"),
+        (["--repetition-penalty", "inf"], "--repetition-penalty"),
+        (["--frequency-penalty", "3"], "--frequency-penalty"),
+        (["--presence-penalty", "nan"], "--presence-penalty"),
+        (["--logit-bias", "a:b"], "--logit-bias"),
+        (["--logit-bias", "5"], "--logit-bias"),
+        (["--logit-bias", "1:inf"], "--logit-bias"),
+        (["--logit-bias", "-1:2"], "--logit-bias"),
+        (["--logit-bias", "1:1,1:2"], "--logit-bias"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(capsys, argv, flag):
@@ -113,7 +124,8 @@ def test_python_dash_m_and_help():
     assert proc.returncode == 0
     for flag in ("--model", "--draft", "--dataset", "--prompt-field", "--limit", "--max-new-tokens",
                  "--temperature", "--top-p", "--top-k", "--num-draft-tokens", "--verify", "--batch-size",
-                 "--seed", "--baseline", "--json", "--bucket-edges", "--dtype"):
+                 "--seed", "--baseline", "--json", "--bucket-edges", "--dtype", "--min-p", "--repetition-penalty",
+                 "--frequency-penalty", "--presence-penalty", "--logit-bias"):
         assert flag in proc.stdout
     proc = subprocess.run([sys.executable, "-m", "specadapt", "generate", "--top-p", "2"], capture_output=True,
                           text=True)
@@ -175,3 +187,25 @@ def test_tiny_temperature_is_greedy_and_bad_ones_are_one_line(capsys, tiny_model
     for bad in ("inf", "nan", "-1e-39"):
         code, _, err = _run(capsys, "--model", str(tiny_model_dir), "--temperature", bad, "--limit", "1")
         assert code == 2 and "--temperature" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_logit_processor_flags_reach_the_engine(capsys, tiny_model_dir, tmp_path):
+    """Issue 19.9: --logit-bias / penalties / --min-p run end to end; a greedy run with a +100 bias on one word
+    writes only that word; a bias on an id outside the model's vocabulary is a one-line error."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"q": "what is the sum of two and three"}) + "\n")
+    base = ("--model", str(tiny_model_dir), "--draft", "self:1", "--dataset", str(data), "--prompt-field", "q",
+            "--max-new-tokens", "8")
+    out = tmp_path / "biased.json"
+    code, _, err = _run(capsys, *base, "--temperature", "0", "--logit-bias", "5:100", "--json", str(out))
+    assert code == 0, err
+    assert json.loads(out.read_text())["requests"][0]["text"].split() == ["of"] * 8  # id 5 = "of"
+    out = tmp_path / "penalised.json"
+    code, _, err = _run(capsys, *base, "--repetition-penalty", "1.3", "--frequency-penalty", "0.5",
+                        "--presence-penalty", "0.2", "--min-p", "0.05", "--logit-bias", "3:1.5,7:-2",
+                        "--verify", "block", "--json", str(out))
+    assert code == 0, err
+    config = json.loads(out.read_text())["config"]
+    assert config["logit_bias"] == "3:1.5,7:-2" and config["repetition_penalty"] == 1.3
+    code, _, err = _run(capsys, *base, "--logit-bias", "99999:1")
+    assert code == 2 and "--logit-bias" in err and len(err.strip().splitlines()) == 1, err

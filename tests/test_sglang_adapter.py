@@ -112,8 +112,9 @@ def test_valid_combinations_pass():
 def test_plan_targets_per_algorithm():
     names = lambda cfg, algo: [t.rsplit(".", 1)[-1] for t, _, _ in plan_targets(cfg, algo)]  # noqa: E731
     assert names(PluginConfig(verify="block"), "EAGLE3") == [
-        "chain_speculative_sampling_triton", "alloc_memory_pool", "sample_draft_proposal", "_draft_extend_for_prefill"]
-    assert names(PluginConfig(verify="block"), "DFLASH") == ["_accept_block"]
+        "chain_speculative_sampling_triton", "eagle_sample", "alloc_memory_pool", "sample_draft_proposal",
+        "_draft_extend_for_prefill", "_add_request_to_queue"]
+    assert names(PluginConfig(verify="block"), "DFLASH") == ["_accept_block", "_add_request_to_queue"]
     assert names(PluginConfig(tts=True), "EAGLE3") == ["eagle_sample", "forward_batch_generation",
                                                       "note_request_finished"]
     assert names(PluginConfig(), "EAGLE3") == []

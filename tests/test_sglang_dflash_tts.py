@@ -175,7 +175,7 @@ def test_dflash_tts_through_the_hooks_distils_toward_the_target():
 
 def test_dflash_targets():
     names = lambda cfg: [t.rsplit(".", 1)[-1] for t, _, _ in plan_targets(cfg, "DFLASH")]  # noqa: E731
-    assert names(PluginConfig(verify="block")) == ["_accept_block"]
+    assert names(PluginConfig(verify="block")) == ["_accept_block", "_add_request_to_queue"]
     assert names(PluginConfig(tts=True)) == ["_accept_block", "forward_batch_generation",
                                              "_append_target_hidden_to_draft_kv_by_loc", "note_request_finished"]
 

@@ -131,6 +131,54 @@ def triton_compare(num_seeds):
     return result
 
 
+def seeded_verify(num_seeds):
+    """Per-request seeds on the EAGLE path (issue 19.8): SGLang's own seeded verify coins (``_verify_coins`` with
+    ``sampling_info.sampling_seed``, its murmur-hash Triton kernel interpreted on CPU) through the replaced
+    sampler: each request's accepted drafts and tokens are the same alone, in the whole batch and in another batch
+    order; another seed changes them."""
+    import torch
+    from sglang.srt.speculative.eagle_utils import _verify_coins
+    from test_sglang_adapter import _sglang_chain_inputs
+
+    from specadapt.sglang.verify import VerifyRuntime, chain_speculative_sampling, set_runtime
+
+    def run(cand, target, draft, seeds, seq_lens, rows):
+        rows = torch.tensor(rows)
+        batch, slots = len(rows), cand.shape[1]
+        coins, final = _verify_coins(sampling_info=SimpleNamespace(sampling_seed=seeds[rows]), seq_lens=seq_lens[rows],
+                                     draft_token_num=slots, candidates=cand[rows], device="cpu")
+        ridx = torch.arange(batch * slots).reshape(batch, slots)
+        predicts = torch.full((batch * slots,), -1, dtype=torch.int32)
+        accept_index = torch.full((batch, slots), -1, dtype=torch.int32)
+        accept_num = torch.zeros(batch, dtype=torch.int32)
+        chain_speculative_sampling(predicts=predicts, accept_index=accept_index, accept_token_num=accept_num,
+                                   candidates=cand[rows], retrive_index=ridx, retrive_next_token=None,
+                                   retrive_next_sibling=None, uniform_samples=coins,
+                                   uniform_samples_for_final_sampling=final, target_probs=target[rows],
+                                   draft_probs=draft[rows], threshold_single=1.0, threshold_acc=1.0, deterministic=True)
+        return [(int(accept_num[b]), predicts[ridx[b, : int(accept_num[b]) + 1]].tolist()) for b in range(batch)]
+
+    result = {}
+    for rule in ("chain", "block"):
+        set_runtime(VerifyRuntime(rule=rule, impl="auto"))
+        same = total = changed = 0
+        for seed in range(int(num_seeds)):
+            cand, _, _, _, target, draft = _sglang_chain_inputs(seed=seed, vocab=7)
+            seeds = torch.tensor([11, 22, 33, 44], dtype=torch.int64) + 100 * seed
+            seq_lens = torch.tensor([5, 9, 5, 12]) + seed
+            full = run(cand, target, draft, seeds, seq_lens, [0, 1, 2, 3])
+            for rows in ([2], [3, 0], [1, 3, 0, 2]):
+                got = run(cand, target, draft, seeds, seq_lens, rows)
+                for b, r in enumerate(rows):
+                    total += 1
+                    same += int(got[b] == full[r])
+            other = run(cand, target, draft, seeds + 1, seq_lens, [0, 1, 2, 3])
+            changed += int(other != full)
+        result[rule] = [same, total, changed]
+    set_runtime(None)
+    return result
+
+
 def _stub_vllm():
     """A stand-in for the vllm rotary op SGLang's RotaryEmbedding imports off CUDA (never called here)."""
     import types
@@ -683,6 +731,6 @@ def dflash_forward():
 
 if __name__ == "__main__":
     name, *args = sys.argv[1:]
-    if name == "triton_compare":
+    if name in ("triton_compare", "seeded_verify"):
         os.environ["TRITON_INTERPRET"] = "1"
     print(json.dumps(globals()[name](*args)))

@@ -186,8 +186,8 @@ def test_install_applies_every_heavy_hook(algorithm, verify, adaptive):
         assert not out["sampler_replaced"]
     else:
         assert out["sampler_replaced"] and out["eagle_utils_rebound"]
-        if adaptive == "1":
-            assert "sglang.srt.speculative.eagle_utils.eagle_sample" in out["patched"]
+        assert "sglang.srt.speculative.eagle_utils.eagle_sample" in out["patched"]  # min-p, caps
+    assert "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue" in out["patched"]
 
 
 # ---- the replaced functions in SGLang's exact layout ----------------------------------------------------------
@@ -198,6 +198,82 @@ def test_replacement_agrees_with_sglangs_own_triton_kernel():
     for rule in ("chain", "block"):
         agree, total = out[rule]
         assert total == 120 and agree == total, (rule, agree, total)
+
+
+def test_seeded_requests_verify_the_same_alone_and_in_any_batch():
+    """Issue 19.8: with SGLang's per-request ``sampling_seed`` (deterministic inference) a request's verification
+    in the replaced sampler depends on its own seed, committed length and rows only."""
+    out = _probe("seeded_verify", "10")
+    for rule in ("chain", "block"):
+        same, total, changed = out[rule]
+        assert total == 60 and same == total, (rule, same, total)
+        assert changed > 0, rule
+
+
+def test_dflash_seeded_acceptance_alone_and_in_a_batch():
+    """The DFLASH hook with SGLang's per-request seeds (real ``_commit_accept``): a request's accepted drafts,
+    bonus and committed tokens are the same alone and in batches of other compositions."""
+    from specadapt.sglang.verify import VerifyRuntime, dflash_accept_block, set_runtime
+
+    set_runtime(VerifyRuntime(rule="block", impl="reference", seed=2))
+    worker = SimpleNamespace(_selector_sample=None, _tp_sync=None)
+    try:
+        candidates, logits, info = _dflash_inputs(seed=3)
+        batch, block = candidates.shape
+        info.sampling_seed = torch.arange(batch, dtype=torch.int64) * 7 + 1
+        info.min_ps, info.need_min_p_sampling = torch.full((batch,), 0.05), True
+        prefix = torch.arange(batch) + 20
+
+        def run(rows):
+            rows = torch.tensor(rows)
+            flat = (rows[:, None] * block + torch.arange(block)).reshape(-1)
+            sub = SimpleNamespace(**{k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in vars(info).items()})
+            accept_len, _, bonus, out_tokens, _ = dflash_accept_block(
+                None, worker, candidates=candidates[rows], next_token_logits=logits[flat], sampling_info=sub,
+                draft_input=None, prefix_lens=prefix[rows], bs=len(rows), target_predict=None)
+            return [(int(accept_len[b]), int(bonus[b]), out_tokens[b, : int(accept_len[b]) + 1].tolist())
+                    for b in range(len(rows))]
+
+        full = run(list(range(batch)))
+        for rows in ([4], [3, 1], [2, 0, 4, 1, 3]):
+            assert run(rows) == [full[r] for r in rows]
+    finally:
+        set_runtime(None)
+
+
+def test_requests_with_unhonourable_options_are_refused_with_sglangs_abort():
+    """Issue 19.9: SGLang's real Req and SamplingParams through the request hook: penalties, min_new_tokens and a
+    custom logit processor finish the request with SGLang's 400 abort naming the option; min-p, logit bias and a
+    plain request are queued untouched."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from specadapt.sglang import install as install_module
+    from specadapt.sglang.config import PluginConfig
+    from specadapt.sglang.install import PluginState, add_request_around
+    from specadapt.sglang.verify import VerifyRuntime
+
+    install_module._STATE = PluginState(config=PluginConfig(verify="block"), runtime=VerifyRuntime(), algorithm="EAGLE3")
+    queued = []
+    try:
+        def req(custom=None, **params):
+            return Req(f"r{len(queued)}", "", [1, 2, 3], SamplingParams(max_new_tokens=8, **params),
+                       custom_logit_processor=custom)
+
+        cases = [(req(frequency_penalty=0.5), "frequency_penalty"), (req(presence_penalty=0.5), "presence_penalty"),
+                 (req(repetition_penalty=1.2), "repetition_penalty"), (req(min_new_tokens=3), "min_new_tokens"),
+                 (req(custom="{}"), "custom_logit_processor"), (req(min_p=0.1), None),
+                 (req(logit_bias={"2": 3.0}), None), (req(), None)]
+        for r, option in cases:
+            add_request_around(lambda scheduler, q, *a, **k: queued.append(q), None, r)
+            if option is None:
+                assert r.to_finish is None
+            else:
+                assert isinstance(r.to_finish, FINISH_ABORT) and option in r.to_finish.message
+                assert r.to_finish.to_json()["status_code"] == 400
+        assert len(queued) == len(cases)
+    finally:
+        install_module.reset_state()
 
 
 def _dflash_inputs(batch=5, block=4, vocab=9, seed=0):

@@ -56,6 +56,16 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=d["temperature"], help="0 = greedy")
     p.add_argument("--top-p", type=float, default=d["top_p"], help="nucleus sampling mass, in (0, 1]")
     p.add_argument("--top-k", type=int, default=d["top_k"], help="0 disables top-k")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="keep tokens with probability >= MIN_P x the most likely one's (after top-k / top-p); 0 = off")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 0; logits of tokens in the prompt or the output so far: positive / it, negative x it; 1 = off")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="in [-2, 2]; subtracted once per occurrence of a token in the output so far (not the prompt)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="in [-2, 2]; subtracted from tokens that occur in the output so far (not the prompt)")
+    p.add_argument("--logit-bias", default=None, metavar="ID:BIAS,...",
+                   help="biases added to the logits of token ids, e.g. 13:-5,2:1.5 (ids of the target's vocabulary)")
     p.add_argument("--num-draft-tokens", type=int, default=d["num_draft_tokens"], help="L, drafts per round")
     p.add_argument("--verify", default=d["verify"], choices=["chain", "block", "gbv"], help="verification rule")
     p.add_argument(
@@ -145,6 +155,8 @@ def _validate(args) -> list[int]:
         raise UsageError(f"--top-p must lie in (0, 1], got {args.top_p}")
     if args.top_k < 0:
         raise UsageError(f"--top-k must be >= 0, got {args.top_k}")
+    args.logit_bias_map = parse_logit_bias(args.logit_bias)
+    sampling_params(args)  # every sampling flag's range, named
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.max_new_tokens < 1:
@@ -192,6 +204,57 @@ def _validate(args) -> list[int]:
     if not edges or edges[0] != 0 or any(b <= a for a, b in zip(edges, edges[1:])):
         raise UsageError(f"--bucket-edges must start at 0 and increase strictly, got {args.bucket_edges!r}")
     return edges
+
+
+_SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
+                   "repetition_penalty": "--repetition-penalty", "frequency_penalty": "--frequency-penalty",
+                   "presence_penalty": "--presence-penalty", "logit_bias": "--logit-bias"}
+
+
+def parse_logit_bias(text: str | None) -> dict[int, float]:
+    """``--logit-bias`` ``ID:BIAS,ID:BIAS`` -> ``{id: bias}`` (empty for ``None`` / ``""``).
+
+    Raises:
+        UsageError: an entry that is not ``int:float``, a negative id, a non-finite bias, a repeated id.
+    """
+    import math
+
+    out: dict[int, float] = {}
+    if not text:
+        return out
+    for entry in text.split(","):
+        key, sep, value = entry.strip().partition(":")
+        try:
+            token, bias = int(key), float(value)
+        except ValueError:
+            token = bias = None
+        if not sep or token is None:
+            raise UsageError(f"--logit-bias: entries must be ID:BIAS (e.g. 13:-5,2:1.5), got {entry.strip()!r}")
+        if token < 0 or not math.isfinite(bias):
+            raise UsageError(f"--logit-bias: {entry.strip()!r} needs an id >= 0 and a finite bias")
+        if token in out:
+            raise UsageError(f"--logit-bias: token {token} appears twice")
+        out[token] = bias
+    return out
+
+
+def sampling_params(args):
+    """The run's :class:`~specadapt.sampling.SamplingParams` from the sampling flags.
+
+    Raises:
+        UsageError: a value out of range, naming its flag.
+    """
+    from ..sampling import SamplingParams
+
+    try:
+        return SamplingParams(args.temperature, args.top_p, args.top_k, min_p=args.min_p,
+                              repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                              presence_penalty=args.presence_penalty,
+                              logit_bias=getattr(args, "logit_bias_map", None) or {})
+    except ValueError as exc:
+        message = str(exc)
+        field = message.split(" ", 1)[0].rstrip(":")
+        raise UsageError(f"{_SAMPLING_FLAGS.get(field, '--' + field.replace('_', '-'))}: {message}") from None
 
 
 def load_target_and_draft(model: str, draft: str, sampling, seed: int, dtype: str, device: str,
@@ -248,7 +311,6 @@ def run(args) -> int:
 
     from ..datasets import DatasetError, load_prompts
     from ..engine import NoDraft, SpeculativeEngine
-    from ..sampling import SamplingParams
     from .report import build_report, print_report, write_json
 
     edges = _validate(args)
@@ -263,9 +325,12 @@ def run(args) -> int:
         prompts = load_prompts(args.dataset, args.prompt_field, args.limit or None)
     except DatasetError as exc:
         raise UsageError(f"--dataset: {exc}") from None
-    sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
+    sampling = sampling_params(args)
     target, draft = load_target_and_draft(args.model, args.draft, sampling, args.seed, args.dtype, args.device,
                                           forward=args.forward, kv_dtype=args.kv_dtype)
+    if sampling.logit_bias and sampling.logit_bias[-1][0] >= target.vocab_size:
+        raise UsageError(f"--logit-bias: token id {sampling.logit_bias[-1][0]} is outside the model's vocabulary "
+                         f"({target.vocab_size} tokens)")
 
     token_ids = [_tokenize(target.tokenizer, p.text) for p in prompts]
     context = target.context_length or 10**9
@@ -320,7 +385,8 @@ def run(args) -> int:
         )
         base_results, base_seconds = _timed(base_engine, token_ids, limits, args, "target-only baseline")
 
-    config = {k: v for k, v in vars(args).items() if k not in ("run", "command", "log_level", "no_progress")}
+    config = {k: v for k, v in vars(args).items() if k not in ("run", "command", "log_level", "no_progress",
+                                                                   "logit_bias_map")}
     if adaptive is not None:
         config.update(av_pruned_drafts=adaptive.pruned, av_verified_drafts=adaptive.verified,
                       av_slope=adaptive.estimator.slope, av_intercepts=adaptive.estimator.intercepts.tolist())

@@ -7,8 +7,9 @@
 - :class:`ModelDraft`: an autoregressive draft LM with its own :class:`RaggedKVCache`: a layer-truncated copy of
   the target (``self:N``) or a standalone Hugging Face model sharing the target's tokenizer.
 
-Every draft samples its tokens from exactly the ``q`` rows it returns (the same temperature / top-k / top-p
-transform as the target), which is what makes verification lossless.
+Every draft samples its tokens from exactly the ``q`` rows it returns (the same sampling transform as the target,
+logit processors included: draft ``i + 1`` is sampled with the penalties of the committed tokens plus
+``drafts[:i]``), which is what makes verification lossless.
 """
 
 from __future__ import annotations
@@ -82,6 +83,12 @@ class Draft:
     #: ``[B] int64`` per-request seeds of the rows, set by the engine at :meth:`start` and kept in step with
     #: :meth:`select`; a model draft samples with coins of :mod:`specadapt.engine.coins` keyed by them.
     row_seeds: torch.Tensor | None = None
+
+    #: ``TokenCounts`` ``[B, V]`` of the committed tokens of each row (prompt and output), set by the engine before
+    #: every :meth:`propose` / :meth:`propose_paths` when a sampling transform depends on the history (penalties),
+    #: else ``None``. A model draft extends it with its own drafts, so draft ``i + 1`` is sampled with the history
+    #: committed + ``drafts[:i]``, the history the target's verify row ``i`` sees.
+    history_counts = None
 
     #: Optional early stop of drafting, ``(step, probs [B, step+1, V], num [B]) -> caps [B] int64`` (see
     #: ``AdaptiveVerification.draft_caps``). Model drafts consult it after each position
@@ -253,11 +260,14 @@ class ModelDraft(Draft):
         if length == 0:
             return proposal
         last = self._feed_uncached(histories)
+        history = _step_history(self.history_counts, self.sampling)  # committed + drafts[:i]
         for i in range(length):
-            q = logits_to_probs(last, self.sampling)
+            q = logits_to_probs(last, self.sampling, history)
             token = draw_tokens(q.cpu(), draft_coins(self, histories, torch.full((batch, 1), i))).squeeze(1)
             proposal.tokens[:, i] = token
             proposal.probs[:, i] = q.cpu()
+            if history is not None:
+                history.add_(token)
             if not apply_draft_filter(self.draft_filter, proposal, i):
                 break
             if i + 1 < length:
@@ -286,7 +296,8 @@ class ModelDraft(Draft):
         batch = len(histories)
         self._committed_before = torch.tensor([len(h) for h in histories], dtype=torch.int64)
         self._drafts_fed = 0
-        q = logits_to_probs(self._feed_uncached(histories), self.sampling).cpu()  # [B, V]
+        history = _step_history(self.history_counts, self.sampling)
+        q = logits_to_probs(self._feed_uncached(histories), self.sampling, history).cpu()  # [B, V]
         tokens = torch.zeros(batch, num_paths, num_drafts, dtype=torch.int64)
         probs = torch.zeros(batch, num_paths, num_drafts, vocab_size, dtype=torch.float32)
         tokens[:, :, 0] = draw_tokens(q, draft_coins(self, histories, torch.arange(num_paths).expand(batch, -1)))
@@ -295,9 +306,13 @@ class ModelDraft(Draft):
         if num_drafts > 1:
             self.kv.repeat_interleave(num_paths)
             self._paths = num_paths
+            if history is not None:
+                history = history.repeat_interleave(num_paths)  # row b * K + k: path k of request b
         for i in range(1, num_drafts):
             step = self.kv.forward(tokens[:, :, i - 1].reshape(-1, 1), torch.ones(batch * num_paths, dtype=torch.int64))
-            q = logits_to_probs(step[:, -1], self.sampling).cpu()  # [B*K, V]
+            if history is not None:
+                history.add_(tokens[:, :, i - 1].reshape(-1))  # committed + path k's drafts[:i]
+            q = logits_to_probs(step[:, -1], self.sampling, history).cpu()  # [B*K, V]
             index = (i * num_paths + torch.arange(num_paths)).expand(batch, -1)
             coins = draft_coins(self, histories, index)  # [B, K]: one coin per path
             tokens[:, :, i] = draw_tokens(q, coins.reshape(-1, 1)).reshape(batch, num_paths)
@@ -351,6 +366,21 @@ class ModelDraft(Draft):
         ids = torch.cat([context, drafts[:-1]])[None].to(device)
         # the last C positions of ids are the last context token and d_1..d_{C-1}: they give q_1..q_C
         return module(input_ids=ids, use_cache=False, logits_to_keep=drafts.shape[0]).logits[0]
+
+
+def _step_history(counts, sampling: SamplingParams):
+    """A private copy of the committed ``TokenCounts`` that drafting extends step by step, or ``None`` when the
+    draft's transform does not read the history.
+
+    Raises:
+        ValueError: a history-dependent transform without the engine's counts.
+    """
+    if not sampling.history_dependent:
+        return None
+    if counts is None:
+        raise ValueError("history_counts: the draft's penalties need the committed tokens' TokenCounts "
+                         "(the engine sets Draft.history_counts before each proposal)")
+    return counts.clone()
 
 
 def draft_coins(draft: Draft, histories: list[list[int]], index: torch.Tensor) -> torch.Tensor:

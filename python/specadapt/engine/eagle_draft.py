@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from ..sampling import SamplingParams, logits_to_probs
-from .drafts import (Draft, DraftProposal, _empty_proposal, _pad, apply_draft_filter, draft_coins, draw_tokens,
-                     trim_proposal)
+from .drafts import (Draft, DraftProposal, _empty_proposal, _pad, _step_history, apply_draft_filter, draft_coins,
+                     draw_tokens, trim_proposal)
 from .eagle import EagleHead
 from .kv import RaggedKVCache
 
@@ -118,10 +118,12 @@ class EagleDraft(Draft):
         self._pending_counts = torch.zeros(batch, dtype=torch.int64)
         return out.hidden[rows, last], out.logits[rows, last].float(), self.kv.lengths.cpu() > 0
 
-    def _sample(self, logits: torch.Tensor, coins: torch.Tensor):
-        """Sample ``n`` tokens per row of the head's logits with ``coins [R, n]``; returns ``(ids [R, n],
-        q_small [R, Vd])``."""
-        q = logits_to_probs(logits, self.sampling).cpu()
+    def _sample(self, logits: torch.Tensor, coins: torch.Tensor, history=None):
+        """Sample ``n`` tokens per row of the head's logits ``[R, Vd]`` (over ``head.draft_vocab``) with
+        ``coins [R, n]``; ``history``: the rows' ``TokenCounts`` ``[R, V]`` over the target vocabulary (the
+        penalties and logit bias are keyed by target ids) or ``None``. Returns ``(ids [R, n]`` target ids,
+        ``q_small [R, Vd])``."""
+        q = logits_to_probs(logits, self.sampling, history, vocab_ids=self.head.draft_vocab).cpu()
         picks = draw_tokens(q, coins)
         return self.head.draft_vocab.cpu()[picks], q
 
@@ -139,9 +141,12 @@ class EagleDraft(Draft):
         proposal = _empty_proposal(batch, length, vocab_size)
         proposal.num_tokens = num
         vocab = self.head.draft_vocab.cpu()
+        history = _step_history(self.history_counts, self.sampling)  # committed + drafts[:i]
         for i in range(length):
-            token, q = self._sample(logits, draft_coins(self, histories, torch.full((batch, 1), i)))
+            token, q = self._sample(logits, draft_coins(self, histories, torch.full((batch, 1), i)), history)
             token = token[:, 0]
+            if history is not None:
+                history.add_(token)
             proposal.tokens[:, i] = token
             proposal.probs[:, i].index_copy_(1, vocab, q)
             if not apply_draft_filter(self.draft_filter, proposal, i):
@@ -168,7 +173,9 @@ class EagleDraft(Draft):
         vocab = self.head.draft_vocab.cpu()
         tokens = torch.zeros(batch, num_paths, num_drafts, dtype=torch.int64)
         probs = torch.zeros(batch, num_paths, num_drafts, vocab_size, dtype=torch.float32)
-        first, q = self._sample(logits, draft_coins(self, histories, torch.arange(num_paths).expand(batch, -1)))
+        history = _step_history(self.history_counts, self.sampling)
+        first, q = self._sample(logits, draft_coins(self, histories, torch.arange(num_paths).expand(batch, -1)),
+                                history)
         tokens[:, :, 0] = first
         probs[:, :, 0].index_copy_(2, vocab, q[:, None].expand(batch, num_paths, -1).contiguous())
         self._paths = 1
@@ -176,10 +183,14 @@ class EagleDraft(Draft):
             self.kv.repeat_interleave(num_paths)
             g = g.repeat_interleave(num_paths, dim=0)
             self._paths = num_paths
+            if history is not None:
+                history = history.repeat_interleave(num_paths)  # row b * K + k: path k of request b
         for i in range(1, num_drafts):
             g, logits = self._step(tokens[:, :, i - 1].reshape(-1), g)
+            if history is not None:
+                history.add_(tokens[:, :, i - 1].reshape(-1))
             index = (i * num_paths + torch.arange(num_paths)).expand(batch, -1)
-            token, q = self._sample(logits, draft_coins(self, histories, index).reshape(-1, 1))
+            token, q = self._sample(logits, draft_coins(self, histories, index).reshape(-1, 1), history)
             tokens[:, :, i] = token.reshape(batch, num_paths)
             probs[:, :, i].index_copy_(2, vocab, q.reshape(batch, num_paths, -1))
         return tokens, probs

@@ -8,6 +8,12 @@ One round, for every active request at once (specs/verification.md):
 3. a verification rule (``chain`` or ``block``) decides ``tau`` from fresh coins and emits ``tau + 1`` tokens;
 4. both KV caches roll back to the accepted length; the extra token becomes the next round's slot 0.
 
+With history-dependent logit processors (repetition / frequency / presence penalties) every row is transformed
+with the history it conditions on: the target's row at verify slot ``i`` with the committed tokens plus
+``drafts[:i]``, a tree node's row with the path from the root to it, and the draft's row for draft ``i + 1``
+with the same history (the engine keeps the committed counts, :class:`~specadapt.sampling.TokenCounts`, and
+hands them to the draft as ``Draft.history_counts`` before each proposal).
+
 A request ends at an EOS token or after ``max_new_tokens``; the others continue. With :class:`NoDraft` a
 round is exactly one step of plain target decoding, which is how the target-only baseline runs.
 """
@@ -21,12 +27,12 @@ from typing import Callable
 
 import torch
 
-from ..sampling import SamplingParams, logits_to_probs
+from ..sampling import SamplingParams, TokenCounts, logits_to_probs
 from .. import kernels
 from . import coins
 from .coins import request_coins
 from ..verification import get_rule
-from .drafts import Draft, _pad
+from .drafts import Draft, NoDraft, _pad
 from .models import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -142,6 +148,15 @@ class SpeculativeEngine:
         self._hidden_kwargs = {"output_hidden_states": True} if draft.needs_target_hidden else {}
         self.vocab_size = target.vocab_size
         self.packed_forward = packed_forward
+        for params in (sampling, getattr(draft, "sampling", None)):
+            if params is not None and params.logit_bias and params.logit_bias[-1][0] >= self.vocab_size:
+                raise ValueError(f"logit_bias: token id {params.logit_bias[-1][0]} is outside the target's "
+                                 f"vocabulary of {self.vocab_size} tokens")
+        draft_sampling = getattr(draft, "sampling", None)
+        #: keep per-request token counts (the penalties' histories) when the target's or the draft's transform
+        #: depends on them
+        self._track_history = sampling.history_dependent or bool(draft_sampling and draft_sampling.history_dependent)
+        self._counts: TokenCounts | None = None
 
     def generate(
         self,
@@ -150,6 +165,7 @@ class SpeculativeEngine:
         batch_size: int = 1,
         on_tokens: Callable[[int], None] | None = None,
         seeds: list[int] | None = None,
+        forced: list[list[int]] | None = None,
     ) -> list[RequestResult]:
         """Decode every prompt, ``batch_size`` requests at a time.
 
@@ -158,6 +174,10 @@ class SpeculativeEngine:
             max_new_tokens: a limit for all requests or one per request.
             batch_size: requests decoded together (a batch runs until its last request finishes).
             on_tokens: called with the number of tokens emitted after every round (progress bars).
+            forced: target-only runs (:class:`NoDraft`) only: emit these tokens (one list per prompt) instead of the
+                sampled ones, each request ending after its list. Every round still runs and pays the target
+                step, the sampling transform and verification, so this times target-only decoding of exactly the
+                text another run produced (paired baselines, scripts/speedup_study.py).
             seeds: one seed per prompt (default: the engine's ``seed`` for all); a request's output depends on
                 its seed and prompt only.
 
@@ -172,6 +192,10 @@ class SpeculativeEngine:
         limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
         if len(limits) != len(prompts):
             raise ValueError("max_new_tokens must be an int or one value per prompt")
+        if forced is not None:
+            if not isinstance(self.draft, NoDraft) or len(forced) != len(prompts):
+                raise ValueError("forced needs a target-only engine (NoDraft) and one token list per prompt")
+            limits = [len(f) for f in forced]
         seeds = [self.seed] * len(prompts) if seeds is None else [int(s) for s in seeds]
         if len(seeds) != len(prompts):
             raise ValueError(f"seeds must hold one seed per prompt ({len(prompts)}), got {len(seeds)}")
@@ -183,6 +207,7 @@ class SpeculativeEngine:
         results = [RequestResult(index=i, prompt_tokens=len(p)) for i, p in enumerate(prompts)]
         for start in range(0, len(prompts), batch_size):
             idx = list(range(start, min(start + batch_size, len(prompts))))
+            self._forced = None if forced is None else [forced[i] for i in idx]
             self._run_batch([prompts[i] for i in idx], [limits[i] for i in idx], [results[i] for i in idx], on_tokens,
                             [seeds[i] for i in idx])
         return results
@@ -212,6 +237,10 @@ class SpeculativeEngine:
             self.tts.start_batch(len(active))  # fresh per-request adapters before the draft's prefill
         self._row_seeds = torch.tensor([seeds[r] for r in active], dtype=torch.int64)
         self.draft.row_seeds = self._row_seeds.clone()
+        self._counts = None
+        if self._track_history:
+            self._counts = TokenCounts.from_sequences(histories_active, [len(prompts[r]) for r in active],
+                                                      self.vocab_size)
         self.draft.start(histories_active)
         if self.draft.needs_target_hidden:
             if features is None:
@@ -225,12 +254,16 @@ class SpeculativeEngine:
             else:
                 accept_len, output_tokens, n_draft = self._single_path_round(kv, histories_active, remaining)
             still_active, keep_rows, emitted_total = [], [], 0
+            emitted_rows = []
             now = time.perf_counter()
             for row, r in enumerate(active):
                 tau = int(accept_len[row])
                 # GBV verifies L drafts whatever the remaining budget: keep at most the remaining tokens
                 # (a prefix of an exactly distributed sequence is exactly distributed).
                 emitted = output_tokens[row, : tau + 1].tolist()[: int(remaining[row])]
+                if self._forced is not None:  # teacher forcing of another run's text (paired timing)
+                    done_so_far = len(results[r].output_ids)
+                    emitted = self._forced[r][done_so_far : done_so_far + len(emitted)]
                 res = results[r]
                 done = False
                 for j, tok in enumerate(emitted):
@@ -242,6 +275,7 @@ class SpeculativeEngine:
                 res.rounds.append(RoundRecord(len(res.output_ids), int(n_draft[row]), tau, len(emitted)))
                 res.output_ids.extend(emitted)
                 histories[r].extend(emitted)
+                emitted_rows.append(emitted)
                 emitted_total += len(emitted)
                 if len(res.output_ids) >= limits[r]:
                     done = True
@@ -252,11 +286,15 @@ class SpeculativeEngine:
                     keep_rows.append(row)
             if on_tokens is not None:
                 on_tokens(emitted_total)
+            if self._counts is not None:
+                self._counts.append_(emitted_rows)
             if len(keep_rows) < len(active) and keep_rows:
                 rows = torch.tensor(keep_rows, dtype=torch.int64)
                 kv.select(rows)
                 self.draft.select(rows)
                 self._row_seeds = self._row_seeds.index_select(0, rows)
+                if self._counts is not None:
+                    self._counts = self._counts.index_select(rows)
                 if self.tts is not None:
                     self.tts.select(rows)
             active = still_active
@@ -267,6 +305,9 @@ class SpeculativeEngine:
         counters = torch.tensor([len(h) for h in histories], dtype=torch.int64)
         uniforms = request_coins(self._row_seeds, counters, coins.ACCEPT, width)
         return uniforms, request_coins(self._row_seeds, counters, coins.FINAL, 1)[:, 0]
+
+    def _needs_target_history(self) -> bool:
+        return self._counts is not None and self.sampling.history_dependent
 
     def context_capacity(self, prompt_lengths: list[int], limits: list[int]) -> int:
         """Cache positions a request of this batch can need: prompt, output and one round's speculative entries
@@ -284,6 +325,7 @@ class SpeculativeEngine:
     def _single_path_round(self, kv, histories: list[list[int]], remaining: torch.Tensor):
         """One chain / block round. Returns ``(accept_len [B] int64, output_tokens [B, L+1], n_draft [B])``."""
         max_drafts = torch.clamp(remaining - 1, min=0, max=self.num_draft_tokens)
+        self.draft.history_counts = self._counts
         proposal = self.draft.propose(histories, max_drafts, self.vocab_size)
         n_draft = proposal.num_tokens
         if self.adaptive is not None:
@@ -295,7 +337,9 @@ class SpeculativeEngine:
         logits = out.logits
         if self.draft.needs_target_hidden:
             self.draft.observe_target(self.draft.target_features(out.hidden_states))
-        target_probs = _real_row_probs(logits, n_draft + 1, self.sampling)
+        # slot i conditions on the committed tokens and drafts[:i]
+        history = self._counts.chain(proposal.tokens, n_draft) if self._needs_target_history() else None
+        target_probs = _real_row_probs(logits, n_draft + 1, self.sampling, history)
         uniforms, uniforms_final = self._coins(histories, width)
         out = kernels.verify(
             self.verify_name,
@@ -320,6 +364,7 @@ class SpeculativeEngine:
         """One GBV round: K sampled paths, merged into a token tree scored by ONE target forward with a tree
         attention mask; GBV picks a path and block-verifies it; both caches keep only that path."""
         K, L = self.num_paths, self.num_draft_tokens
+        self.draft.history_counts = self._counts
         tokens, q = self.draft.propose_paths(histories, L, self.vocab_size, K)  # [B,K,L], [B,K,L,V]
         batch = len(histories)
         tree = build_token_tree(tokens)
@@ -334,7 +379,10 @@ class SpeculativeEngine:
             return_outputs=True,
             **self._hidden_kwargs,
         )
-        node_probs = logits_to_probs(target_out.logits, self.sampling).cpu()  # [B, n, V]
+        # a node conditions on the committed tokens and the path from the root to it (itself included)
+        history = (self._counts.extend(tree.node_tokens[:, 1:], tree.ancestor_mask[:, :, 1:])
+                   if self._needs_target_history() else None)
+        node_probs = logits_to_probs(target_out.logits, self.sampling, history).cpu()  # [B, n, V]
         rows = torch.arange(batch)[:, None, None]
         target_probs = node_probs[rows, tree.path_slots]  # [B, K, L+1, V]
         candidates = torch.cat([last[:, None, None].expand(batch, K, 1), tokens], dim=2)
@@ -386,16 +434,19 @@ class TokenTree:
     path_slots: torch.Tensor
 
 
-def _real_row_probs(logits: torch.Tensor, num_real: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+def _real_row_probs(logits: torch.Tensor, num_real: torch.Tensor, sampling: SamplingParams,
+                    history: TokenCounts | None = None) -> torch.Tensor:
     """Target probabilities ``[B, n, V] float32`` (CPU) of a ragged verify chunk: the sampling transform (top-p
     sorts every row) runs on the ``num_real[r]`` real rows of each request only; hole rows, which verification
-    never reads, are uniform."""
+    never reads, are uniform. ``history``: the rows' ``TokenCounts`` (``[B, n, V]``, slot i = committed tokens
+    + drafts[:i]) for history-dependent processors, else ``None``."""
     batch, width, vocab = logits.shape
     real = torch.arange(width, device=logits.device)[None, :] < num_real.to(logits.device)[:, None]
     if bool(real.all()):
-        return logits_to_probs(logits, sampling).cpu()
+        return logits_to_probs(logits, sampling, history).cpu()
     probs = torch.full((batch, width, vocab), 1.0 / vocab, dtype=torch.float32)
-    probs[real.cpu()] = logits_to_probs(logits[real], sampling).cpu()
+    real_cpu = real.cpu()
+    probs[real_cpu] = logits_to_probs(logits[real], sampling, None if history is None else history[real_cpu]).cpu()
     return probs
 
 

@@ -6,7 +6,8 @@ before CUDA graphs are captured (from the AFTER hook on ``Scheduler.maybe_init_d
 | ``--specadapt-verify chain/block``, ``--adaptive-verification`` | EAGLE, EAGLE3, STANDALONE | REPLACE ``reject_sampling.chain_speculative_sampling_triton`` |
 | same, ``--tts`` | DFLASH | AROUND ``DFlashWorkerV2._accept_block`` (rule; TTS example) |
 | ``--tts`` | DFLASH | AROUND ``DFlashWorkerV2.forward_batch_generation`` (round boundary) and ``_append_target_hidden_to_draft_kv_by_loc`` (context) |
-| ``--adaptive-verification``, ``--tts`` | EAGLE family | AROUND ``eagle_utils.eagle_sample`` (caps, snapshots, outcomes) |
+| a specadapt rule, ``--adaptive-verification``, ``--tts`` | EAGLE family | AROUND ``eagle_utils.eagle_sample`` (min-p of the batch, caps, snapshots, outcomes) |
+| a specadapt rule, ``--adaptive-verification`` | all | AROUND ``Scheduler._add_request_to_queue``: refuse requests with sampling options the rules cannot honour (:func:`~specadapt.sglang.verify.sampling_refusal`) |
 | ``--tts`` | EAGLE family | AROUND ``EAGLEWorkerV2.forward_batch_generation`` (round boundary, publish) |
 | ``--tts`` | EAGLE family | AFTER ``BaseSpecWorker.note_request_finished`` (drop history) |
 | ``--specadapt-verify`` not builtin, ``--adaptive-verification`` | EAGLE family | AROUND ``EagleDraftWorker.alloc_memory_pool``, ``spec_utils.sample_draft_proposal``, ``EagleDraftWorker._draft_extend_for_prefill``: q rows over the target vocabulary (:mod:`.hot_vocab`) |
@@ -24,11 +25,11 @@ import torch
 
 from . import gbv, hot_vocab
 from .config import PluginConfig
-from .verify import VerifyRuntime, chain_speculative_sampling, dflash_accept_block, set_runtime
+from .verify import VerifyRuntime, chain_speculative_sampling, dflash_accept_block, sampling_refusal, set_runtime
 
 logger = logging.getLogger("specadapt.sglang")
 
-__all__ = ["HOOK_TARGETS", "PluginState", "eagle_sample_around", "forward_batch_generation_around",
+__all__ = ["HOOK_TARGETS", "PluginState", "add_request_around", "eagle_sample_around", "forward_batch_generation_around",
            "get_state", "install_worker_hooks", "plan_targets", "request_finished_after", "reset_state"]
 
 CHAIN_SAMPLER = "sglang.kernels.ops.speculative.reject_sampling.chain_speculative_sampling_triton"
@@ -43,9 +44,10 @@ EXTEND_DECODE = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_
 ALLOC_POOL = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.alloc_memory_pool"
 DFLASH_FORWARD = "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2.forward_batch_generation"
 DFLASH_APPEND = "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2._append_target_hidden_to_draft_kv_by_loc"
+ADD_REQUEST = "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue"
 #: Every target the plugin may hook in a scheduler process (tests check each exists in the installed sglang).
 HOOK_TARGETS = (CHAIN_SAMPLER, DFLASH_ACCEPT, EAGLE_SAMPLE, EAGLE_FORWARD, REQUEST_FINISHED, DRAFT_WORKER_INIT,
-                DRAFT_SAMPLER, EXTEND_PREFILL, EXTEND_DECODE, ALLOC_POOL, DFLASH_FORWARD, DFLASH_APPEND)
+                DRAFT_SAMPLER, EXTEND_PREFILL, EXTEND_DECODE, ALLOC_POOL, DFLASH_FORWARD, DFLASH_APPEND, ADD_REQUEST)
 EAGLE_FAMILY = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
 
 
@@ -83,7 +85,7 @@ def plan_targets(config: PluginConfig, algorithm: str) -> list[tuple[str, str, o
         targets.append((DFLASH_FORWARD, "AROUND", forward_batch_generation_around))
         targets.append((DFLASH_APPEND, "AROUND", dflash_append_around))
         targets.append((REQUEST_FINISHED, "AFTER", request_finished_after))
-    if eagle and (config.adaptive_verification or config.tts):
+    if eagle and (config.replaces_verification or config.tts):
         targets.append((EAGLE_SAMPLE, "AROUND", eagle_sample_around))
     if eagle and config.tts:
         targets.append((EAGLE_FORWARD, "AROUND", forward_batch_generation_around))
@@ -95,6 +97,8 @@ def plan_targets(config: PluginConfig, algorithm: str) -> list[tuple[str, str, o
         targets.append((EXTEND_PREFILL, "AROUND", gbv.draft_extend_for_prefill_around))
     if eagle and config.verify == "gbv":
         targets.append((EXTEND_DECODE, "AROUND", gbv.draft_extend_for_decode_around))
+    if config.replaces_verification and (eagle or algorithm == "DFLASH"):
+        targets.append((ADD_REQUEST, "AROUND", add_request_around))
     return targets
 
 
@@ -290,12 +294,16 @@ def _tp_broadcast():
 
 # ---- hooks ---------------------------------------------------------------------------------------------------
 def eagle_sample_around(original, verify_input, batch, logits_output, *args, **kwargs):
-    """AROUND ``eagle_sample``: caps before the sampler, TTS snapshot of the raw verify outputs, and the
-    outcomes (estimator, TTS history) after. Returns the original's ``(predict, accept_lens, accept_index)``."""
+    """AROUND ``eagle_sample``: the batch's min-p and caps before the sampler, TTS snapshot of the raw verify
+    outputs, and the outcomes (estimator, TTS history) after. Returns the original's ``(predict, accept_lens,
+    accept_index)``."""
     state = _STATE
     mode = getattr(batch, "forward_mode", None)
     if state is None or (mode is not None and mode.is_idle()):
         return original(verify_input, batch, logits_output, *args, **kwargs)
+    info = getattr(batch, "sampling_info", None)
+    # SGLang's target_probs leave min-p out: the replaced sampler applies it (per request, 0 = off)
+    state.runtime.pending_min_ps = info.min_ps if getattr(info, "need_min_p_sampling", False) else None
     draft_probs = getattr(verify_input, "draft_probs", None)
     plan = None
     if state.adaptive is not None and draft_probs is not None and draft_probs.dim() == 3:
@@ -316,6 +324,7 @@ def eagle_sample_around(original, verify_input, batch, logits_output, *args, **k
     finally:
         leftover = state.runtime.pending_caps  # not consumed: greedy verification ran instead of the sampler
         state.runtime.pending_caps = None
+        state.runtime.pending_min_ps = None
     if snap is not None and tree:
         chosen = state.runtime.last_gbv
         if chosen is None:  # greedy tree verification ran: no chosen path to learn from this round
@@ -330,6 +339,22 @@ def eagle_sample_around(original, verify_input, batch, logits_output, *args, **k
     if snap is not None:
         state.tts.record(snap, accepted)
     return result
+
+
+def add_request_around(original, scheduler, req, *args, **kwargs):
+    """AROUND ``Scheduler._add_request_to_queue(req, is_retracted=False)``: a new request whose sampling options
+    the specadapt rules cannot verify exactly (:func:`~specadapt.sglang.verify.sampling_refusal`: penalties,
+    ``min_new_tokens``, custom logit processors) is finished with a 400 error, the way SGLang refuses requests
+    it cannot serve (``set_finish_with_abort`` before queueing), instead of being decoded from another law.
+    Retracted requests and requests SGLang already aborts pass through."""
+    state = _STATE
+    retracted = bool(args[0]) if args else bool(kwargs.get("is_retracted", False))
+    if (state is not None and state.config.replaces_verification and not retracted
+            and getattr(req, "to_finish", None) is None):
+        reason = sampling_refusal(getattr(req, "sampling_params", None), getattr(req, "custom_logit_processor", None))
+        if reason is not None:
+            req.set_finish_with_abort(reason)
+    return original(scheduler, req, *args, **kwargs)
 
 
 def forward_batch_generation_around(original, worker, batch, *args, **kwargs):

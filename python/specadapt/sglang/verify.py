@@ -7,6 +7,16 @@
   draft block is deterministic given the context, so its proposal law is the point mass on each drafted token
   and verifying against it is exact.
 * :func:`target_probs_for_requests` turns SGLang's per-request sampling settings into the target law.
+* :func:`sampling_refusal` says which of a request's SGLang sampling options the plugin cannot honour (the
+  scheduler hook in :mod:`.install` refuses such a request).
+
+What reaches the target law (SGLang 0.5.23, read from ``eagle_utils.eagle_sample`` and
+``dflash_utils.apply_dflash_verify_logits_adjustments``): SGLang adds the logit bias and applies grammar masks
+(per tree node) to the verify logits before the plugin sees them, and computes temperature / top-k / top-p; it
+drops min-p, which the plugin applies to the target rows itself (:func:`chain_speculative_sampling`,
+:func:`target_probs_for_requests`). SGLang's penalties reach the verify logits only "relaxed" (counts of one token
+per round, the same for every draft position), custom logit processors not at all on the EAGLE path: the plugin
+refuses requests that use them rather than verify against a law plain decoding would not sample from.
 
 Nothing here imports sglang at module import; the layouts are documented per function.
 """
@@ -19,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import kernels
-from ..sampling import SamplingParams, logits_to_probs
+from ..sampling import SamplingParams, apply_min_p, logits_to_probs
 
 logger = logging.getLogger("specadapt.sglang")
 
@@ -28,6 +38,8 @@ __all__ = [
     "chain_speculative_sampling",
     "dflash_accept_block",
     "get_runtime",
+    "request_verify_coins",
+    "sampling_refusal",
     "scatter_sglang_outputs",
     "set_runtime",
     "target_probs_for_requests",
@@ -41,7 +53,10 @@ class VerifyRuntime:
     Attributes:
         rule: ``chain``, ``block`` or ``gbv``.
         impl: kernel implementation passed to :func:`specadapt.kernels.verify` (``auto``).
-        seed: seed of the coins the plugin draws itself (DFLASH).
+        seed: seed of the coins the plugin draws itself (DFLASH), mixed into the per-request streams when SGLang
+            carries per-request seeds, the seed of one generator for the batch otherwise.
+        pending_min_ps: ``[B] float32`` SGLang's per-request min-p of the batch being verified (set by the
+            ``eagle_sample`` hook when a request uses min-p, consumed by the sampler), or ``None``.
         pending_caps: ``[B] int64`` drafts each request may verify this round (adaptive verification sets it
             right before SGLang's sampler runs and it is consumed by that call), or ``None``.
         calls: number of verification calls served (for start-up checks and logs).
@@ -54,6 +69,7 @@ class VerifyRuntime:
     impl: str = "auto"
     seed: int = 0
     pending_caps: torch.Tensor | None = None
+    pending_min_ps: torch.Tensor | None = None
     calls: int = 0
     gbv: object = None  # specadapt.sglang.gbv.GBVDrafting with --specadapt-verify gbv
     last_gbv: object = None  # specadapt.sglang.gbv.GBVRound of the last GBV call (chosen paths, their q rows)
@@ -64,7 +80,12 @@ class VerifyRuntime:
         caps, self.pending_caps = self.pending_caps, None
         return caps
 
+    def take_min_ps(self) -> torch.Tensor | None:
+        min_ps, self.pending_min_ps = self.pending_min_ps, None
+        return min_ps
+
     def generator(self, device: torch.device) -> torch.Generator:
+        """The batch-wide generator of ``device`` (coins of requests without an SGLang per-request seed)."""
         key = str(device)
         if key not in self._generators:
             gen = torch.Generator(device=device)
@@ -139,12 +160,17 @@ def chain_speculative_sampling(
     ``retrive_next_*``, the thresholds, ``deterministic`` and SGLang's own ``block_verification`` switch are
     ignored: the rule is ``--specadapt-verify`` (chain: Leviathan et al. 2023; block: Sun et al. 2024, Alg. 2),
     and adaptive verification's per-request caps (``VerifyRuntime.pending_caps``) limit the drafts verified.
+    SGLang's ``target_probs`` leave min-p out; with ``VerifyRuntime.pending_min_ps`` set (the ``eagle_sample``
+    hook) each request's rows get its min-p first (:func:`specadapt.sampling.apply_min_p`), GBV trees included.
 
     Raises:
         ValueError: shapes that are not SGLang's chain layout, or no draft law (``draft_probs`` of the target's
             shape means SGLang ran without rejection sampling, so q does not exist).
     """
     runtime = get_runtime()
+    min_ps = runtime.take_min_ps()
+    if min_ps is not None:
+        target_probs = apply_min_p(target_probs, min_ps.reshape(-1, 1, 1).to(target_probs.device))
     if runtime.rule == "gbv":
         from .gbv import gbv_speculative_sampling
 
@@ -179,17 +205,22 @@ def chain_speculative_sampling(
     runtime.calls += 1
 
 
-def target_probs_for_requests(logits, temperatures, top_ps, top_ks) -> torch.Tensor:
+def target_probs_for_requests(logits, temperatures, top_ps, top_ks, min_ps=None) -> torch.Tensor:
     """Per-request target law from SGLang's sampling settings.
 
     Args:
-        logits: ``[B, S, V]`` float, S verified slots per request.
+        logits: ``[B, S, V]`` float, S verified slots per request (SGLang's logit bias and grammar masks already
+            applied).
         temperatures: ``[B]`` or ``[B, 1]`` float; 0 (or top-k 1) = greedy.
         top_ps: ``[B]`` float in (0, 1].
         top_ks: ``[B]`` int; values <= 0 or >= V disable top-k.
+        min_ps: ``[B]`` float in [0, 1] or ``None`` (no min-p).
 
     Returns:
         ``[B, S, V] float32`` probabilities (:func:`specadapt.sampling.logits_to_probs` row by row).
+
+    Raises:
+        ValueError: ``logits`` not ``[B, S, V]``, settings without one entry per request, out-of-range values.
     """
     if logits.dim() != 3:
         raise ValueError(f"logits must be [B, S, V], got {tuple(logits.shape)}")
@@ -197,8 +228,9 @@ def target_probs_for_requests(logits, temperatures, top_ps, top_ks) -> torch.Ten
     temps = temperatures.reshape(-1).tolist()
     tops = top_ps.reshape(-1).tolist()
     ks = top_ks.reshape(-1).tolist()
-    if not (len(temps) == len(tops) == len(ks) == logits.shape[0]):
-        raise ValueError("temperatures, top_ps and top_ks need one entry per request")
+    mins = [0.0] * len(temps) if min_ps is None else min_ps.reshape(-1).tolist()
+    if not (len(temps) == len(tops) == len(ks) == len(mins) == logits.shape[0]):
+        raise ValueError("temperatures, top_ps, top_ks and min_ps need one entry per request")
     rows = []
     for b in range(logits.shape[0]):
         k = int(ks[b])
@@ -207,9 +239,109 @@ def target_probs_for_requests(logits, temperatures, top_ps, top_ks) -> torch.Ten
             temperature=0.0 if greedy else float(temps[b]),
             top_p=min(max(float(tops[b]), 1e-6), 1.0),
             top_k=k if 0 < k < vocab else 0,
+            min_p=float(mins[b]),
         )
         rows.append(logits_to_probs(logits[b], params))
     return torch.stack(rows)
+
+
+def request_verify_coins(sampling_seed, counters, num_drafts: int, seed: int = 0):
+    """Verification coins from each request's own stream (SGLang's per-request ``sampling_seed``).
+
+    Args:
+        sampling_seed: ``[B] int64`` per-request seeds (SGLang carries them in ``sampling_info.sampling_seed``
+            under ``--enable-deterministic-inference``: the request's ``sampling_seed``, 42 by default).
+        counters: ``[B] int64`` the requests' committed lengths at the round's start (a new value every round).
+        num_drafts: drafts per request (coins per row).
+        seed: the plugin's ``--specadapt-seed``, mixed into every stream.
+
+    Returns:
+        ``(uniforms [B, num_drafts] float64, uniforms_final [B] float64)`` in ``[0, 1)``, a function of each
+        request's (seed, counter) only: the same whatever else is in the batch.
+    """
+    from ..engine.coins import ACCEPT, FINAL, request_coins
+
+    seeds = torch.as_tensor(sampling_seed).reshape(-1).to(torch.int64).cpu()
+    seeds = seeds ^ (int(seed) * 0x2545F4914F6CDD1D & ((1 << 63) - 1))
+    counters = torch.as_tensor(counters).reshape(-1).to(torch.int64).cpu()
+    return request_coins(seeds, counters, ACCEPT, num_drafts), request_coins(seeds, counters, FINAL, 1)[:, 0]
+
+
+def dflash_verify(runtime: VerifyRuntime, candidates, logits, sampling_info, prefix_lens=None):
+    """The specadapt rule on a sampled DFLASH block (no sglang import).
+
+    Args:
+        runtime: the process runtime (rule, implementation, caps, seed).
+        candidates: ``[B, S] int64`` (slot 0 the last committed token, then the block's S - 1 drafts).
+        logits: ``[B * S, V]`` SGLang's verify logits (its logit bias, grammar masks applied).
+        sampling_info: SGLang's ``SamplingBatchInfo`` (temperatures, top_ps, top_ks, min_ps, need_min_p_sampling,
+            sampling_seed).
+        prefix_lens: ``[B]`` committed lengths (the coins' counters when SGLang carries per-request seeds).
+
+    Returns:
+        ``(accept_len [B] int32, bonus [B] int64)``. With ``sampling_info.sampling_seed`` set the coins come from
+        each request's own stream (:func:`request_verify_coins`), else from the runtime's batch-wide generator.
+    """
+    batch, slots = candidates.shape
+    vocab = logits.shape[-1]
+    min_ps = sampling_info.min_ps if getattr(sampling_info, "need_min_p_sampling", False) else None
+    probs = target_probs_for_requests(logits.reshape(batch, slots, vocab), sampling_info.temperatures,
+                                      sampling_info.top_ps, sampling_info.top_ks, min_ps)
+    drafts = candidates[:, 1:].to(torch.int64)
+    draft_probs = torch.zeros(batch, slots - 1, vocab, dtype=torch.float32, device=probs.device)
+    draft_probs.scatter_(2, drafts[..., None], 1.0)
+    seeds = getattr(sampling_info, "sampling_seed", None)
+    if seeds is not None:
+        if prefix_lens is None:
+            raise ValueError("specadapt DFLASH: per-request seeds need the block's prefix_lens")
+        coins, final = request_verify_coins(seeds, prefix_lens, slots - 1, runtime.seed)
+        coins, final = coins.to(probs.device), final.to(probs.device)
+    else:
+        gen = runtime.generator(probs.device)
+        coins = torch.rand(batch, slots - 1, generator=gen, device=probs.device)
+        final = torch.rand(batch, generator=gen, device=probs.device)
+    out = kernels.verify(runtime.rule, candidates.to(torch.int64), probs, draft_probs, coins, final,
+                         num_draft_tokens=runtime.take_caps(), impl=runtime.impl)
+    accept_len = out.accept_len.to(torch.int32)
+    bonus = out.output_tokens.to(torch.int64).gather(1, accept_len.to(torch.int64)[:, None]).squeeze(1)
+    return accept_len, bonus
+
+
+def sampling_refusal(sampling_params, custom_logit_processor=None) -> str | None:
+    """Why the plugin cannot verify a request exactly, or ``None`` when it can (no sglang import).
+
+    The plugin's rules are exact for the law SGLang's own (non-speculative) sampler draws from, given the target
+    rows SGLang hands them. SGLang 0.5.23 builds those rows with temperature, top-k, top-p, the logit bias and
+    grammar masks (the plugin adds min-p); its penalties reach speculative verification only "relaxed" (one token
+    counted per round, the same counts at every draft position: ``eagle_sample``, ``eagle_prepare_for_decode``;
+    DFLASH drops the repetition penalty), and custom logit processors do not reach EAGLE verification at all.
+
+    Args:
+        sampling_params: SGLang's ``SamplingParams`` of the request (or any object with ``frequency_penalty``,
+            ``presence_penalty``, ``repetition_penalty``, ``min_new_tokens``).
+        custom_logit_processor: the request's serialised custom logit processor, or ``None``.
+
+    Returns:
+        A one-line message naming the option, or ``None``.
+    """
+    options = []
+    if float(getattr(sampling_params, "frequency_penalty", 0.0) or 0.0) != 0.0:
+        options.append("frequency_penalty")
+    if float(getattr(sampling_params, "presence_penalty", 0.0) or 0.0) != 0.0:
+        options.append("presence_penalty")
+    if float(getattr(sampling_params, "repetition_penalty", 1.0) or 1.0) != 1.0:
+        options.append("repetition_penalty")
+    if int(getattr(sampling_params, "min_new_tokens", 0) or 0) > 0:
+        options.append("min_new_tokens")
+    if custom_logit_processor:
+        options.append("custom_logit_processor")
+    if not options:
+        return None
+    return (f"specadapt: {', '.join(options)} cannot be verified exactly by the specadapt rules: SGLang 0.5.23 "
+            "applies penalties to speculative verification only approximately (counted once per round, the same at "
+            "every draft position) and custom logit processors not at all; drop "
+            f"{'it' if len(options) == 1 else 'them'}, or serve with --specadapt-verify builtin (SGLang's own "
+            "acceptance) and no --adaptive-verification")
 
 
 def dflash_accept_block(original, worker, *args, **kwargs):
@@ -235,21 +367,7 @@ def dflash_accept_block(original, worker, *args, **kwargs):
     ):
         return original(worker, *args, **kwargs)
     runtime = _RUNTIME
-    batch, slots = candidates.shape
-    vocab = logits.shape[-1]
-    probs = target_probs_for_requests(
-        logits.reshape(batch, slots, vocab), sampling_info.temperatures, sampling_info.top_ps, sampling_info.top_ks
-    )
-    drafts = candidates[:, 1:].to(torch.int64)
-    draft_probs = torch.zeros(batch, slots - 1, vocab, dtype=torch.float32, device=probs.device)
-    draft_probs.scatter_(2, drafts[..., None], 1.0)
-    gen = runtime.generator(probs.device)
-    coins = torch.rand(batch, slots - 1, generator=gen, device=probs.device)
-    final = torch.rand(batch, generator=gen, device=probs.device)
-    out = kernels.verify(runtime.rule, candidates.to(torch.int64), probs, draft_probs, coins, final,
-                         num_draft_tokens=runtime.take_caps(), impl=runtime.impl)
-    accept_len = out.accept_len.to(torch.int32)
-    bonus = out.output_tokens.to(torch.int64).gather(1, accept_len.to(torch.int64)[:, None]).squeeze(1)
+    accept_len, bonus = dflash_verify(runtime, candidates, logits, sampling_info, kwargs.get("prefix_lens"))
     sync = getattr(worker, "_tp_sync", None)
     if sync is not None:
         from sglang.srt.speculative.spec_tp_sync import SpecTpSyncSite
