@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU check for a session lent a GPU machine (one H200, no internet, torch + nvcc + triton + cupy installed).
 # Builds the CUDA extension, runs the CUDA tests (cross-implementation equality, chi-square, TTS CUDA-graph
-# safety) and the kernel
-# benchmark, and writes logs and JSON under $OUT. Budget: under 8 minutes.
+# safety, the native forward's PyTorch path on CUDA: greedy speculative == target-only, TTS publishes) and the
+# kernel benchmark, and writes logs and JSON under $OUT. Budget: under 8 minutes.
 #   device run:  bash scripts/device_check.sh
 set -uo pipefail
 OUT=${OUT:-results/device}
@@ -20,6 +20,7 @@ python -c "import torch, specadapt.kernels as k; print('cuda ops:', k.has_op_for
   >> "$OUT/summary.txt" 2>&1
 
 timeout 200 python -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py tests/test_cuda_jit.py tests/test_kernels.py tests/test_tts_cuda.py \
+  tests/test_native_cuda.py \
   > "$OUT/pytest_cuda.log" 2>&1
 echo "pytest rc=$?" | tee -a "$OUT/summary.txt"
 tail -3 "$OUT/pytest_cuda.log" >> "$OUT/summary.txt"

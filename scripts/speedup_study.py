@@ -5,8 +5,11 @@ Loads the target once on the chosen forward and weight format (default: native, 
 int4 model), measures the machine's copy bandwidth and GEMM rate, then decodes the same prompts (the first
 --limit AIME 2024 problems, chat template, up to --max-new-tokens ending at the natural EOS) with target-only
 decoding and with every configuration of the sweep, at each batch size. Target-only runs first and last (the
-VM's speed drifts; both are reported, speedups use their mean). Every row: tokens, tok/s, speedup, acceptance
-length overall and per output-position bucket, the 3-gram repeat rate.
+VM's speed drifts; both are reported). Sampled runs write different text (other lengths, other EOS), so each
+speculative run is paired with target-only decoding of exactly its own output (``generate(forced=...)``: every
+round still pays the target step, the sampling transform and verification), timed right after it: ``speedup`` is
+that paired ratio; ``speedup_free`` the ratio to the free-running target-only runs. Every row: tokens, tok/s,
+both speedups, acceptance length overall and per output-position bucket, the 3-gram repeat rate.
 
     python scripts/speedup_study.py --json results/speedup_study.json --markdown results/speedup_study.md
     python scripts/speedup_study.py --configs "ngram:L=3" "eagle:L=2" "eagle:L=2:tts=5" "eagle:L=3:gbv=2"
@@ -88,13 +91,14 @@ def main() -> int:
     print(f"machine {machine['name']}: copy {machine['copy_gbps']:.1f} GB/s, fp32 GEMM "
           f"{machine['gemm_fp32_gflops']:.0f} GFLOP/s; target {target.forward_name} {target.weight_format}", flush=True)
 
-    def run(engine, batch):
+    def run(engine, batch, forced=None):
         start = time.perf_counter()
-        results = engine.generate(prompts, args.max_new_tokens, batch_size=batch, seeds=seeds)
+        results = engine.generate(prompts, args.max_new_tokens, batch_size=batch, seeds=seeds, forced=forced)
         seconds = time.perf_counter() - start
         tokens = sum(len(r.output_ids) for r in results)
         rounds = [rd for r in results for rd in r.rounds]
         return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                "outputs": [r.output_ids for r in results],
                 "acceptance_length": acceptance_length(rounds),
                 "acceptance_by_position": acceptance_by_position(rounds, (0, 256, 512, 1024, 2048)),
                 "eos": sum(r.finished_by_eos for r in results),
@@ -122,9 +126,13 @@ def main() -> int:
             if tts is not None:
                 row["tts"] = tts.summary()
                 tts.close()
-            row.update(config=text, batch=batch)
+            paired = run(SpeculativeEngine(target, NoDraft(), sampling, 0, seed=args.seed), batch,
+                         forced=row["outputs"])
+            row.update(config=text, batch=batch, paired_target_only_tokens_per_s=paired["tokens_per_s"],
+                       speedup=paired["seconds"] / row["seconds"])
             rows.append(row)
-            print(f"{text} batch {batch}: {row['tokens_per_s']:.1f} tok/s, acceptance length "
+            print(f"{text} batch {batch}: {row['tokens_per_s']:.1f} tok/s (paired target-only "
+                  f"{row['paired_target_only_tokens_per_s']:.1f}: {row['speedup']:.2f}x), acceptance length "
                   f"{row['acceptance_length']:.2f}" + (f", TTS {row['tts']['updates']} updates, "
                                                         f"{row['tts']['train_seconds']:.1f} s training" if tts else ""),
                   flush=True)
@@ -132,7 +140,11 @@ def main() -> int:
         baselines[batch].append(run(SpeculativeEngine(target, NoDraft(), sampling, 0, seed=args.seed), batch))
     for row in rows:
         base = sum(b["tokens_per_s"] for b in baselines[row["batch"]]) / 2
-        row["speedup"] = row["tokens_per_s"] / base
+        row["speedup_free"] = row["tokens_per_s"] / base
+        row.pop("outputs")
+    for batch in args.batches:
+        for b in baselines[batch]:
+            b.pop("outputs")
     report = {"machine": machine, "target": {"forward": target.forward_name, "format": target.weight_format},
               "args": vars(args), "baselines": baselines, "rows": rows, "torch_threads": torch.get_num_threads()}
     lines = [f"Machine: {machine['name']}, {machine['threads']} threads, copy {machine['copy_gbps']:.1f} GB/s, "
@@ -143,13 +155,15 @@ def main() -> int:
         b0, b1 = baselines[batch]
         lines.append(f"Target-only, batch {batch}: {b0['tokens_per_s']:.1f} / {b1['tokens_per_s']:.1f} tok/s "
                      f"(first / last run), {b0['tokens']} / {b1['tokens']} tokens.")
-    lines += ["", "| config | batch | tokens | EOS | tok/s | speedup | acc. len | [0,256) | [256,512) | [512,1024) | "
-              "[1024,2048) | repeat |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| config | batch | tokens | EOS | tok/s | paired target-only tok/s | speedup | vs free target-only | "
+              "acc. len | [0,256) | [256,512) | [512,1024) | [1024,2048) | repeat |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         buckets = {b["start"]: b["acceptance_length"] for b in r["acceptance_by_position"]}
         cells = " | ".join("-" if buckets.get(s) is None else f"{buckets[s]:.2f}" for s in (0, 256, 512, 1024))
         lines.append(f"| {r['config']} | {r['batch']} | {r['tokens']} | {r['eos']} | {r['tokens_per_s']:.1f} | "
-                     f"{r['speedup']:.2f} | {r['acceptance_length']:.2f} | {cells} | {r['repeat_rate']:.2f} |")
+                     f"{r['paired_target_only_tokens_per_s']:.1f} | {r['speedup']:.2f} | {r['speedup_free']:.2f} | "
+                     f"{r['acceptance_length']:.2f} | {cells} | {r['repeat_rate']:.2f} |")
     text = "\n".join(lines)
     print(text)
     if args.json:

@@ -39,9 +39,10 @@ class NativeEagleHead:
         self.hidden_size = head.hidden_size
         self.target = target
         pack = lambda name, t, fmt: pack_weight(t, fmt)  # noqa: E731
-        self.fuse = pack_weight(head.fuse.weight, layer_fmt)
-        self.input_proj = pack_weight(head.input_proj.weight, layer_fmt)
-        layer = _pack_layer(head.layer, "layer.", layer_fmt, pack, "EagleHead")
+        device = target.device
+        self.fuse = pack_weight(head.fuse.weight, layer_fmt).to(device)
+        self.input_proj = pack_weight(head.input_proj.weight, layer_fmt).to(device)
+        layer = _pack_layer(head.layer, "layer.", layer_fmt, pack, "EagleHead").to(device)
         rows = target.lm_head.select_rows(head.draft_vocab.to(torch.int64))
         positions = target.max_positions
         with torch.no_grad():

@@ -132,6 +132,11 @@ class _Layer:
     def formats(self) -> list[int]:
         return [int(w.format) for w in (self.qkv, self.o, self.gate_up, self.down)]
 
+    def to(self, device) -> "_Layer":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return _Layer(self.qkv.to(device), self.o.to(device), self.gate_up.to(device), self.down.to(device),
+                      move(self.norm1), move(self.norm2), move(self.q_norm), move(self.k_norm), move(self.qkv_bias))
+
     def nbytes(self) -> int:
         return sum(w.nbytes for w in (self.qkv, self.o, self.gate_up, self.down))
 
@@ -248,6 +253,10 @@ class NativeLlama:
             probe = torch.zeros(1, dtype=torch.float32, device=param.device)
             cos, sin = decoder.rotary_emb(probe, torch.arange(positions, device=param.device)[None])
         source = f"{len(used_file)} matrices from {gguf_path}" if used_file else "packed from the loaded weights"
+        if param.device.type != "cpu":  # packing runs on the CPU; the forward runs where the model lives
+            native_layers = [layer.to(param.device) for layer in native_layers]
+            embed = embed.to(param.device)
+            lm_head = embed if tied else lm_head.to(param.device)
         logger.info("native forward: %s %s, %d layers, %.1f MB of weights (%s)", type(model).__name__, dtype_name,
                     len(native_layers), sum(l.nbytes() for l in native_layers) / 1e6 + embed.nbytes / 1e6 +
                     (0 if tied else lm_head.nbytes / 1e6), source)
