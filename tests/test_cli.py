@@ -109,14 +109,41 @@ def test_generate_end_to_end_writes_json(capsys, tiny_model_dir, tmp_path, draft
                 "acceptance_by_position", "accept_rate_by_draft_position", "text", "ngram_repeat_rate"):
         assert key in req
     assert [b["start"] for b in req["acceptance_by_position"]] == [0, 16, 32]
-    assert len(req["accept_rate_by_draft_position"]) == 5
+    # L by measurement: 1 for ngram, 5 for the unmeasured self:N
+    assert len(req["accept_rate_by_draft_position"]) == (1 if draft == "ngram" else 5)
+    assert report["config"]["num_draft_tokens"] == (1 if draft == "ngram" else 5)
     s = report["summary"]
     for key in ("acceptance_length", "tokens_per_s", "baseline_tokens_per_s", "speedup", "ngram_repeat_rate"):
         assert s[key] is not None
     assert s["speedup"] == pytest.approx(s["tokens_per_s"] / s["baseline_tokens_per_s"])
     assert s["acceptance_length"] >= 1.0
     assert report["config"]["draft"] == draft
+    # the default paired baseline decodes exactly the speculative run's text, token for token
+    assert report["config"]["baseline_mode"] == "paired"
+    assert s["baseline_output_tokens"] == sum(r["output_tokens"] for r in report["requests"])
     assert "acceptance length" in stdout
+
+
+def test_default_num_draft_tokens_by_draft():
+    from specadapt.cli.generate import default_num_draft_tokens
+
+    assert default_num_draft_tokens("ngram", "chain", False) == 1
+    assert default_num_draft_tokens("eagle", "block", False) == 1
+    assert default_num_draft_tokens("eagle:/tmp/head.safetensors", "gbv", False) == 2
+    assert default_num_draft_tokens("self:2", "chain", False) == 5
+    assert default_num_draft_tokens("eagle", "chain", True) == 5  # adaptive verification prunes from 5
+
+
+def test_free_baseline_samples_its_own_text(capsys, tiny_model_dir, tmp_path):
+    """--baseline-mode free: target-only decoding samples its own text (a different length at temperature 1)."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"q": f"what is the sum of two and {w}"}) + "\n" for w in WORDS[:2]))
+    out = tmp_path / "run.json"
+    code, _, _ = _run(capsys, "--model", str(tiny_model_dir), "--dataset", str(data), "--prompt-field", "q",
+                      "--max-new-tokens", "30", "--baseline", "--baseline-mode", "free", "--json", str(out))
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["baseline_mode"] == "free" and report["summary"]["baseline_tokens_per_s"] > 0
 
 
 def test_python_dash_m_and_help():

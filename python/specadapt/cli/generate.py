@@ -24,7 +24,7 @@ DEFAULTS = dict(
     temperature=1.0,
     top_p=0.95,
     top_k=0,
-    num_draft_tokens=5,
+    num_draft_tokens=None,  # per draft: default_num_draft_tokens()
     verify="chain",
     batch_size=3,
     seed=0,
@@ -66,7 +66,9 @@ def add_parser(sub) -> None:
                    help="in [-2, 2]; subtracted from tokens that occur in the output so far (not the prompt)")
     p.add_argument("--logit-bias", default=None, metavar="ID:BIAS,...",
                    help="biases added to the logits of token ids, e.g. 13:-5,2:1.5 (ids of the target's vocabulary)")
-    p.add_argument("--num-draft-tokens", type=int, default=d["num_draft_tokens"], help="L, drafts per round")
+    p.add_argument("--num-draft-tokens", type=int, default=d["num_draft_tokens"],
+                   help="L, drafts per round; default by measurement (docs/results.md): 1 for ngram and eagle with "
+                        "chain / block, 2 with gbv, 5 for other drafts and with --adaptive-verification (it prunes)")
     p.add_argument("--verify", default=d["verify"], choices=["chain", "block", "gbv"], help="verification rule")
     p.add_argument(
         "--num-paths", type=int, default=None,
@@ -140,6 +142,11 @@ def add_parser(sub) -> None:
                    help="native KV cache entries (auto: float16 with int8 / int4 weights, else float32)")
     p.add_argument("--device", default=d["device"], help="cpu or cuda")
     p.add_argument("--baseline", action="store_true", help="also run target-only decoding for the speedup")
+    p.add_argument("--baseline-mode", default="paired", choices=["paired", "free"],
+                   help="paired: target-only decoding of exactly the speculative run's text (every round still runs "
+                        "the target step, the sampling transform and verification), so both runs decode the same "
+                        "tokens at the same context lengths; free: target-only decoding sampling its own text (its "
+                        "length and EOS differ at temperature > 0)")
     p.add_argument("--bucket-edges", default=d["bucket_edges"], help="output-position bucket edges")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (also silences transformers')")
@@ -147,6 +154,8 @@ def add_parser(sub) -> None:
 
 
 def _validate(args) -> list[int]:
+    if args.num_draft_tokens is None:
+        args.num_draft_tokens = default_num_draft_tokens(args.draft, args.verify, args.adaptive_verification)
     if args.num_draft_tokens < 1:
         raise UsageError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
     if not 0 <= args.temperature < float("inf"):
@@ -204,6 +213,22 @@ def _validate(args) -> list[int]:
     if not edges or edges[0] != 0 or any(b <= a for a, b in zip(edges, edges[1:])):
         raise UsageError(f"--bucket-edges must start at 0 and increase strictly, got {args.bucket_edges!r}")
     return edges
+
+
+#: L per draft where it was measured (scripts/speedup_study.py on the embedded default, native int4, T = 1.0,
+#: AIME 2024, batch 1 and 3: the fastest L; docs/results.md). Other drafts keep 5.
+MEASURED_NUM_DRAFT_TOKENS = {"ngram": 1, "eagle": 1}
+
+
+def default_num_draft_tokens(draft: str, verify: str, adaptive: bool) -> int:
+    """The ``--num-draft-tokens`` default: 5 with adaptive verification (it prunes each round to what pays) and for
+    drafts without a measurement, 2 for ``gbv`` (K paths of 2), else the measured L of the draft family."""
+    if adaptive:
+        return 5
+    family = draft.split(":", 1)[0]
+    if family not in MEASURED_NUM_DRAFT_TOKENS:
+        return 5
+    return 2 if verify == "gbv" else MEASURED_NUM_DRAFT_TOKENS[family]
 
 
 _SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
@@ -383,7 +408,9 @@ def run(args) -> int:
             target, NoDraft(), sampling, 0, "chain", seed=args.seed, verify_impl=args.verify_impl,
             ignore_eos=args.ignore_eos, packed_forward=args.packed_forward,
         )
-        base_results, base_seconds = _timed(base_engine, token_ids, limits, args, "target-only baseline")
+        forced = [r.output_ids for r in spec_results] if args.baseline_mode == "paired" else None
+        base_results, base_seconds = _timed(base_engine, token_ids, limits, args,
+                                            f"target-only baseline ({args.baseline_mode})", forced=forced)
 
     config = {k: v for k, v in vars(args).items() if k not in ("run", "command", "log_level", "no_progress",
                                                                    "logit_bias_map")}
@@ -469,11 +496,12 @@ def _warm_up(target, draft) -> None:
         SpeculativeEngine(target, draft, greedy, 2).generate(probe, 3)
 
 
-def _timed(engine, token_ids, limits, args, label):
+def _timed(engine, token_ids, limits, args, label, forced=None):
     from tqdm import tqdm
 
-    with tqdm(total=sum(limits), desc=label, unit="tok", disable=args.no_progress, leave=True) as bar:
+    total = sum(limits) if forced is None else sum(len(f) for f in forced)
+    with tqdm(total=total, desc=label, unit="tok", disable=args.no_progress, leave=True) as bar:
         start = time.perf_counter()
-        results = engine.generate(token_ids, limits, batch_size=args.batch_size, on_tokens=bar.update)
+        results = engine.generate(token_ids, limits, batch_size=args.batch_size, on_tokens=bar.update, forced=forced)
         seconds = time.perf_counter() - start
     return results, seconds
