@@ -137,8 +137,21 @@ def seeded_verify(num_seeds):
     sampler: each request's accepted drafts and tokens are the same alone, in the whole batch and in another batch
     order; another seed changes them."""
     import torch
+    import triton
+    from sglang.kernels.ops.sampling import murmur_hash
     from sglang.srt.speculative.eagle_utils import _verify_coins
     from test_sglang_adapter import _sglang_chain_inputs
+
+    def interpreted_hash(seed, positions, col_indices):
+        """SGLang's own murmur-hash Triton kernel, interpreted on CPU tensors (its CPU branch calls sgl_kernel's
+        compiled op, which needs libcuda to load)."""
+        n, m = seed.shape[0], col_indices.shape[0]
+        hashed = torch.empty((n, m), dtype=torch.uint32)
+        murmur_hash.murmur_hash32_kernel[(n, triton.cdiv(m, 1024))](seed, positions, col_indices, hashed, n, m,
+                                                                    BLOCK_SIZE=1024)
+        return hashed
+
+    murmur_hash.murmur_hash32 = interpreted_hash  # _seeded_verify_coins imports it at call time
 
     from specadapt.sglang.verify import VerifyRuntime, chain_speculative_sampling, set_runtime
 
