@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -236,3 +237,10 @@ def test_logit_processor_flags_reach_the_engine(capsys, tiny_model_dir, tmp_path
     assert config["logit_bias"] == "3:1.5,7:-2" and config["repetition_penalty"] == 1.3
     code, _, err = _run(capsys, *base, "--logit-bias", "99999:1")
     assert code == 2 and "--logit-bias" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_target_only_formats_script_names_a_bad_format_entry():
+    script = Path(__file__).resolve().parents[1] / "scripts" / "target_only_formats.py"
+    proc = subprocess.run([sys.executable, str(script), "--formats", "native:int4", "tpu:int4"], capture_output=True,
+                          text=True)
+    assert proc.returncode != 0 and "--formats" in proc.stderr and "tpu:int4" in proc.stderr

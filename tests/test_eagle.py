@@ -52,10 +52,9 @@ def test_eagle_greedy_equals_target_only(tiny_target, verify, batch_size):
     assert [r.output_ids for r in results] == expected
 
 
-def test_eagle_first_draft_matches_cache_free_oracle(tiny_target):
-    """Every round's first q row equals a fresh head forward over all real (feature, next token) pairs."""
-    params = SamplingParams(1.0)
-    draft = eagle(tiny_target, params)
+def record_first_q_rows(draft) -> list:
+    """Wrap ``draft.propose`` so every round appends ``(history, q row of draft 1)`` of each drafting request to
+    the returned list."""
     seen = []
     original = draft.propose
 
@@ -67,6 +66,14 @@ def test_eagle_first_draft_matches_cache_free_oracle(tiny_target):
         return proposal
 
     draft.propose = recording
+    return seen
+
+
+def test_eagle_first_draft_matches_cache_free_oracle(tiny_target):
+    """Every round's first q row equals a fresh head forward over all real (feature, next token) pairs."""
+    params = SamplingParams(1.0)
+    draft = eagle(tiny_target, params)
+    seen = record_first_q_rows(draft)
     engine = SpeculativeEngine(tiny_target, draft, params, 3, "block", seed=1)
     engine.generate(PROMPTS, 12, batch_size=3)
     assert len(seen) > 10

@@ -451,21 +451,11 @@ def test_engine_refuses_a_bias_outside_the_vocabulary(tiny_target):
 def test_eagle_draft_rows_apply_processors_by_target_id(tiny_target, params):
     """Each round's first q row of the EAGLE draft (a reduced vocabulary) equals the transform of a fresh head
     forward with the committed history, penalties and biases looked up by target id."""
-    from test_eagle import eagle
+    from test_eagle import eagle, record_first_q_rows
 
     subset = torch.tensor([0, 2, 3, 5, 6, 9, 12, 20])
     draft = eagle(tiny_target, params, subset=subset)
-    seen = []
-    original = draft.propose
-
-    def recording(histories, max_tokens, vocab_size):
-        proposal = original(histories, max_tokens, vocab_size)
-        for r, h in enumerate(histories):
-            if int(proposal.num_tokens[r]) > 0:
-                seen.append((list(h), proposal.probs[r, 0].clone()))
-        return proposal
-
-    draft.propose = recording
+    seen = record_first_q_rows(draft)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
     SpeculativeEngine(tiny_target, draft, params, 3, "block", seed=1).generate(prompts, 10, batch_size=2)
     assert len(seen) > 5
