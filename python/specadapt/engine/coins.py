@@ -44,7 +44,33 @@ def _mix(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def request_coins(seeds: torch.Tensor, counters: torch.Tensor, role: int, index: torch.Tensor | int) -> torch.Tensor:
+_M64 = (1 << 64) - 1
+#: At most this many coins per call go through Python integers (a few microseconds per coin, where NumPy's fixed
+#: cost is about a hundred per call); larger calls use NumPy. Both give the same bits (tests/test_coins.py).
+SMALL_CALL = 64
+
+
+def _mix_int(z: int) -> int:
+    """:func:`_mix` on one Python integer in [0, 2^64)."""
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def _coins_small(seeds: list[int], counters: list[int], role: int, index: list[list[int]]) -> torch.Tensor:
+    """The rule of :func:`request_coins` on Python integers (int64 inputs wrap to uint64 as NumPy's cast does)."""
+    rows = []
+    role_key = (role * 0x1B873593) & _M64
+    for seed, counter, idx in zip(seeds, counters, index):
+        key = _mix_int(((seed & _M64) * 0x2545F4914F6CDD1D + role_key) & _M64)
+        key = _mix_int(key ^ (((counter & _M64) * 0xDABA0B6EB09322E3) & _M64))
+        rows.append([(_mix_int((key + (i & _M64)) & _M64) >> 11) * 2.0 ** -53 for i in idx])
+    return torch.tensor(rows, dtype=torch.float64).reshape(len(seeds), -1)
+
+
+def request_coins(seeds: torch.Tensor, counters: torch.Tensor, role: int, index: torch.Tensor | int,
+                  small_call: int = SMALL_CALL) -> torch.Tensor:
     """Coins of one role for a batch of requests.
 
     Args:
@@ -59,6 +85,18 @@ def request_coins(seeds: torch.Tensor, counters: torch.Tensor, role: int, index:
     Raises:
         ValueError: mismatched shapes.
     """
+    seeds_t = torch.as_tensor(seeds, dtype=torch.int64).cpu()
+    counters_t = torch.as_tensor(counters, dtype=torch.int64).cpu()
+    if seeds_t.dim() == 1 and counters_t.shape == seeds_t.shape:
+        batch = seeds_t.shape[0]
+        if isinstance(index, int):
+            if batch * index <= small_call:
+                row = list(range(index))
+                return _coins_small(seeds_t.tolist(), counters_t.tolist(), role, [row] * batch)
+        else:
+            index_t = torch.as_tensor(index, dtype=torch.int64).cpu()
+            if index_t.dim() == 2 and index_t.shape[0] == batch and index_t.numel() <= small_call:
+                return _coins_small(seeds_t.tolist(), counters_t.tolist(), role, index_t.tolist())
     seeds = np.asarray(torch.as_tensor(seeds, dtype=torch.int64).cpu().numpy()).astype(np.uint64)
     counters = np.asarray(torch.as_tensor(counters, dtype=torch.int64).cpu().numpy()).astype(np.uint64)
     if seeds.ndim != 1 or counters.shape != seeds.shape:

@@ -171,18 +171,24 @@ class SlotKVCache:
         self.lengths = start + num_valid
         self._chunk_start, self._chunk_width = start, width
         self.num_forwards += 1
-        if bool((~valid).any()):
+        dense = rows_idx.numel() == batch * width  # every column real: rows come out in [B, n] order
+        if not dense:
             self.num_packed_forwards += 1
         vocab = out.logits.shape[-1]
-        logits = out.logits.new_zeros(batch, out_width, vocab)
-        sel_rows = rows_idx if logit_rows is None else rows_idx.index_select(0, logit_rows)
-        sel_cols = cols_idx if logit_rows is None else cols_idx.index_select(0, logit_rows) - keep_cols
-        if sel_rows.numel():
-            logits[sel_rows.to(dev), sel_cols.to(dev)] = out.logits
+        if dense and logit_rows is None:
+            logits = out.logits.reshape(batch, width, vocab)
+        else:
+            logits = out.logits.new_zeros(batch, out_width, vocab)
+            sel_rows = rows_idx if logit_rows is None else rows_idx.index_select(0, logit_rows)
+            sel_cols = cols_idx if logit_rows is None else cols_idx.index_select(0, logit_rows) - keep_cols
+            if sel_rows.numel():
+                logits[sel_rows.to(dev), sel_cols.to(dev)] = out.logits
         if not return_outputs:
             return logits
 
         def unpack(rows_tensor: torch.Tensor) -> torch.Tensor:
+            if dense:
+                return rows_tensor.reshape(batch, width, rows_tensor.shape[-1])
             full = rows_tensor.new_zeros(batch, width, rows_tensor.shape[-1])
             full[rows_idx.to(dev), cols_idx.to(dev)] = rows_tensor
             return full
