@@ -418,6 +418,8 @@ def _transform_reference(logits: torch.Tensor, params: SamplingParams) -> torch.
         probs = torch.where(keep, probs, torch.zeros_like(probs))
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
 def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling of one token per row with given coins.
 

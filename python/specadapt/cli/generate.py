@@ -236,30 +236,23 @@ _SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": 
                    "presence_penalty": "--presence-penalty", "logit_bias": "--logit-bias"}
 
 
-def parse_logit_bias(text: str | None) -> dict[int, float]:
-    """``--logit-bias`` ``ID:BIAS,ID:BIAS`` -> ``{id: bias}`` (empty for ``None`` / ``""``).
+def parse_logit_bias(text: str | None) -> list[tuple[int, float]]:
+    """``--logit-bias`` ``ID:BIAS,ID:BIAS`` -> ``[(id, bias), ...]`` (empty for ``None`` / ``""``). Only the syntax
+    is checked here; the values (ids >= 0, finite biases, no repeated id) are checked by
+    :class:`~specadapt.sampling.SamplingParams`, whose error :func:`sampling_params` reports under the flag.
 
     Raises:
-        UsageError: an entry that is not ``int:float``, a negative id, a non-finite bias, a repeated id.
+        UsageError: an entry that is not ``int:float``.
     """
-    import math
-
-    out: dict[int, float] = {}
-    if not text:
-        return out
-    for entry in text.split(","):
+    out: list[tuple[int, float]] = []
+    for entry in text.split(",") if text else []:
         key, sep, value = entry.strip().partition(":")
         try:
-            token, bias = int(key), float(value)
+            out.append((int(key), float(value)))
         except ValueError:
-            token = bias = None
-        if not sep or token is None:
+            sep = ""
+        if not sep:
             raise UsageError(f"--logit-bias: entries must be ID:BIAS (e.g. 13:-5,2:1.5), got {entry.strip()!r}")
-        if token < 0 or not math.isfinite(bias):
-            raise UsageError(f"--logit-bias: {entry.strip()!r} needs an id >= 0 and a finite bias")
-        if token in out:
-            raise UsageError(f"--logit-bias: token {token} appears twice")
-        out[token] = bias
     return out
 
 
@@ -275,7 +268,7 @@ def sampling_params(args):
         return SamplingParams(args.temperature, args.top_p, args.top_k, min_p=args.min_p,
                               repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
                               presence_penalty=args.presence_penalty,
-                              logit_bias=getattr(args, "logit_bias_map", None) or {})
+                              logit_bias=getattr(args, "logit_bias_map", None) or ())
     except ValueError as exc:
         message = str(exc)
         field = message.split(" ", 1)[0].rstrip(":")

@@ -45,6 +45,9 @@ def _mix(z: np.ndarray) -> np.ndarray:
 
 
 _M64 = (1 << 64) - 1
+# the constants above as Python integers, for the small-call path
+_GOLDEN_I, _MIX1_I, _MIX2_I = int(_GOLDEN), int(_MIX1), int(_MIX2)
+_K_SEED_I, _K_COUNTER_I, _K_ROLE_I = int(_K_SEED), int(_K_COUNTER), int(_K_ROLE)
 #: At most this many coins per call go through Python integers (a few microseconds per coin, where NumPy's fixed
 #: cost is about a hundred per call); larger calls use NumPy. Both give the same bits (tests/test_coins.py).
 SMALL_CALL = 64
@@ -52,19 +55,19 @@ SMALL_CALL = 64
 
 def _mix_int(z: int) -> int:
     """:func:`_mix` on one Python integer in [0, 2^64)."""
-    z = (z + 0x9E3779B97F4A7C15) & _M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    z = (z + _GOLDEN_I) & _M64
+    z = ((z ^ (z >> 30)) * _MIX1_I) & _M64
+    z = ((z ^ (z >> 27)) * _MIX2_I) & _M64
     return z ^ (z >> 31)
 
 
 def _coins_small(seeds: list[int], counters: list[int], role: int, index: list[list[int]]) -> torch.Tensor:
     """The rule of :func:`request_coins` on Python integers (int64 inputs wrap to uint64 as NumPy's cast does)."""
     rows = []
-    role_key = (role * 0x1B873593) & _M64
+    role_key = (role * _K_ROLE_I) & _M64
     for seed, counter, idx in zip(seeds, counters, index):
-        key = _mix_int(((seed & _M64) * 0x2545F4914F6CDD1D + role_key) & _M64)
-        key = _mix_int(key ^ (((counter & _M64) * 0xDABA0B6EB09322E3) & _M64))
+        key = _mix_int(((seed & _M64) * _K_SEED_I + role_key) & _M64)
+        key = _mix_int(key ^ (((counter & _M64) * _K_COUNTER_I) & _M64))
         rows.append([(_mix_int((key + (i & _M64)) & _M64) >> 11) * 2.0 ** -53 for i in idx])
     return torch.tensor(rows, dtype=torch.float64).reshape(len(seeds), -1)
 

@@ -157,6 +157,7 @@ class SpeculativeEngine:
         #: depends on them
         self._track_history = sampling.history_dependent or bool(draft_sampling and draft_sampling.history_dependent)
         self._counts: TokenCounts | None = None
+        self._forced: list[list[int]] | None = None  # generate(forced=...) of the batch being decoded
 
     def generate(
         self,
