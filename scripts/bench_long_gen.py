@@ -603,6 +603,7 @@ def run_embedded(args, prompts) -> tuple[list[dict], float, dict, list[dict], fl
     from tqdm import tqdm
 
     from specadapt.cli import build_parser as specadapt_parser
+    from specadapt.cli import engine_args as eng
     from specadapt.cli import generate as gen
     from specadapt.cli.common import UsageError
     from specadapt.engine import NoDraft, SpeculativeEngine
@@ -622,13 +623,13 @@ def run_embedded(args, prompts) -> tuple[list[dict], float, dict, list[dict], fl
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-        gen._silence_gguf_progress()
+        eng._silence_gguf_progress()
     if g.device.startswith("cuda") and not torch.cuda.is_available():
         raise ArgumentError(f"--device {g.device}: CUDA is not available on this machine")
     sampling = SamplingParams(g.temperature, g.top_p, g.top_k)
-    target, draft = gen.load_target_and_draft(g.model, g.draft, sampling, g.seed, g.dtype, g.device, error=ArgumentError)
+    target, draft = eng.load_target_and_draft(g.model, g.draft, sampling, g.seed, g.dtype, g.device, error=ArgumentError)
 
-    token_ids = [gen._tokenize(target.tokenizer, p.text) for p in prompts]
+    token_ids = [eng._tokenize(target.tokenizer, p.text) for p in prompts]
     context = target.context_length or 10**9
     limits = []
     for prompt, ids in zip(prompts, token_ids):
@@ -641,13 +642,13 @@ def run_embedded(args, prompts) -> tuple[list[dict], float, dict, list[dict], fl
         limits.append(min(g.max_new_tokens, context - len(ids)))
 
     torch.manual_seed(g.seed)
-    gen._warm_up(target, draft)
-    adaptive = gen._adaptive(g, target, draft) if g.adaptive_verification else None
+    eng._warm_up(target, draft)
+    adaptive = eng._adaptive(g, target, draft) if g.adaptive_verification else None
     tts = None
     if g.tts:
         from specadapt.engine.tts_bridge import EngineTTS
 
-        tts = EngineTTS(draft, gen._tts_config(g), sampling, asynchronous=not g.tts_sync, max_requests=g.batch_size)
+        tts = EngineTTS(draft, eng._tts_config(g), sampling, asynchronous=not g.tts_sync, max_requests=g.batch_size)
     try:
         engine = SpeculativeEngine(
             target, draft, sampling, g.num_draft_tokens, g.verify, seed=g.seed, verify_impl=g.verify_impl,

@@ -46,7 +46,7 @@ def main() -> int:
         _write_outputs(rows, args.markdown, args.plot)
         return 0
 
-    from specadapt.cli.generate import _tokenize
+    from specadapt.cli.engine_args import _tokenize
     from specadapt.datasets import load_prompts
     from specadapt.engine import NoDraft, SpeculativeEngine, build_draft, load_model
     from specadapt.engine.metrics import acceptance_length

@@ -74,7 +74,7 @@ def main() -> int:
     import torch
 
     from specadapt.bench.forward import measure_machine
-    from specadapt.cli.generate import _tokenize, _warm_up, load_target_and_draft
+    from specadapt.cli.engine_args import _tokenize, _warm_up, load_target_and_draft
     from specadapt.datasets import load_prompts
     from specadapt.engine import NoDraft, SpeculativeEngine, build_draft
     from specadapt.engine.metrics import acceptance_by_position, acceptance_length, ngram_repeat_rate

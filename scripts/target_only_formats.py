@@ -39,7 +39,7 @@ def main() -> int:
     import torch
 
     from specadapt.bench.forward import measure_machine
-    from specadapt.cli.generate import _tokenize, _warm_up, load_target_and_draft
+    from specadapt.cli.engine_args import _tokenize, _warm_up, load_target_and_draft
     from specadapt.datasets import load_prompts
     from specadapt.engine import NoDraft, SpeculativeEngine
     from specadapt.sampling import SamplingParams

@@ -126,7 +126,7 @@ def test_generate_end_to_end_writes_json(capsys, tiny_model_dir, tmp_path, draft
 
 
 def test_default_num_draft_tokens_by_draft():
-    from specadapt.cli.generate import default_num_draft_tokens
+    from specadapt.cli.engine_args import default_num_draft_tokens
 
     assert default_num_draft_tokens("ngram", "chain", False) == 1
     assert default_num_draft_tokens("eagle", "block", False) == 1

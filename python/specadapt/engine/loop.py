@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from ..sampling import SamplingParams, TokenCounts, logits_to_probs
+from ..sampling import SamplingParams, TokenCounts, logits_to_probs, logits_to_probs_rows
 from .. import kernels
 from . import coins
 from .coins import request_coins
@@ -37,7 +37,7 @@ from .models import LoadedModel
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RoundRecord", "RequestResult", "SpeculativeEngine"]
+__all__ = ["Request", "RoundRecord", "RequestResult", "SpeculativeEngine"]
 
 
 @dataclass
@@ -58,7 +58,9 @@ class RoundRecord:
 
 @dataclass
 class RequestResult:
-    """Outcome of one request: its output token ids, rounds and timing (seconds, wall clock)."""
+    """Outcome of one request: its output token ids, rounds and timing (seconds, wall clock, from joining the
+    batch to finishing). ``finish_reason``: ``stop`` (EOS or a stop token, which is emitted), ``length``
+    (``max_new_tokens``), ``cancelled`` (:meth:`SpeculativeEngine.cancel`), ``None`` while decoding."""
 
     index: int
     prompt_tokens: int
@@ -66,6 +68,46 @@ class RequestResult:
     rounds: list[RoundRecord] = field(default_factory=list)
     seconds: float = 0.0
     finished_by_eos: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    """One request of a running batch (:meth:`SpeculativeEngine.join`, continuous batching).
+
+    Attributes:
+        prompt: token ids (already chat-templated), at least one.
+        max_new_tokens: output tokens at most (>= 0).
+        seed: the request's seed: its coins come from its own stream, so its output depends on its prompt,
+            seed and settings only.
+        sampling: its :class:`SamplingParams` for the target (and the draft), or ``None`` for the engine's.
+            Penalties and logit bias must equal the engine's (they need per-request histories).
+        stop_token_ids: ids that end the request like EOS (the stop token is emitted).
+        ignore_eos: decode past EOS (``None``: the engine's ``ignore_eos``).
+        speculate: ``False``: no drafts are verified for this request, every round is a plain target step for
+            it (chain / block only).
+        forced: target-only engines: emit these tokens instead of the sampled ones (paired timing).
+        result: filled while it decodes (created by :meth:`SpeculativeEngine.join` when ``None``).
+    """
+
+    prompt: list[int]
+    max_new_tokens: int
+    seed: int = 0
+    sampling: SamplingParams | None = None
+    stop_token_ids: frozenset = frozenset()
+    ignore_eos: bool | None = None
+    speculate: bool = True
+    forced: list[int] | None = None
+    result: RequestResult | None = None
+
+
+@dataclass(eq=False)
+class _Row:
+    """A request in the running batch: its committed tokens (prompt + output) and when it joined."""
+
+    request: Request
+    history: list[int]
+    start: float
 
 
 class SpeculativeEngine:
@@ -144,7 +186,8 @@ class SpeculativeEngine:
             raise ValueError(f"verify_impl must be one of {kernels.IMPLEMENTATIONS}, got {verify_impl!r}")
         self.verify_impl = verify_impl
         self.seed = int(seed)
-        self.eos_ids = set() if ignore_eos else target.eos_token_ids()
+        self._model_eos_ids = target.eos_token_ids()
+        self.eos_ids = set() if ignore_eos else self._model_eos_ids
         self._hidden_kwargs = {"output_hidden_states": True} if draft.needs_target_hidden else {}
         self.vocab_size = target.vocab_size
         self.packed_forward = packed_forward
@@ -157,7 +200,9 @@ class SpeculativeEngine:
         #: depends on them
         self._track_history = sampling.history_dependent or bool(draft_sampling and draft_sampling.history_dependent)
         self._counts: TokenCounts | None = None
-        self._forced: list[list[int]] | None = None  # generate(forced=...) of the batch being decoded
+        self._speculate: torch.Tensor | None = None  # [B] bool of the round, None when every row speculates
+        self._target_params = sampling  # the round's target settings: one SamplingParams or one per row
+        self.close_batch()
 
     def generate(
         self,
@@ -208,97 +253,218 @@ class SpeculativeEngine:
         results = [RequestResult(index=i, prompt_tokens=len(p)) for i, p in enumerate(prompts)]
         for start in range(0, len(prompts), batch_size):
             idx = list(range(start, min(start + batch_size, len(prompts))))
-            self._forced = None if forced is None else [forced[i] for i in idx]
-            self._run_batch([prompts[i] for i in idx], [limits[i] for i in idx], [results[i] for i in idx], on_tokens,
-                            [seeds[i] for i in idx])
+            self.open_batch()
+            self.join([Request(prompts[i], limits[i], seeds[i], forced=None if forced is None else forced[i],
+                               result=results[i]) for i in idx])
+            while self._rows:
+                events = self.step()
+                if on_tokens is not None:
+                    on_tokens(sum(len(tokens) for _, tokens, _ in events))
+            self.close_batch()
         return results
 
-    def _run_batch(self, prompts, limits, results, on_tokens, seeds) -> None:
-        t0 = time.perf_counter()
-        histories = [list(p) for p in prompts]
-        active = [r for r in range(len(prompts)) if limits[r] > 0]
-        for r in range(len(prompts)):
-            if limits[r] == 0:
-                results[r].seconds = 0.0
-        if not active:
+    # ---- continuous batching: a running batch that requests join and leave between rounds ----------------------
+    def open_batch(self) -> None:
+        """Begin an empty running batch: requests enter with :meth:`join`, each :meth:`step` runs one round for
+        all of them, finished ones leave at once (their cache slots are reused), :meth:`cancel` drops others."""
+        self.close_batch()
+
+    def close_batch(self) -> None:
+        """Drop the running batch and its caches (the requests still in it are left unfinished)."""
+        self._kv = None
+        self._rows = []
+        self._row_seeds = torch.zeros(0, dtype=torch.int64)
+        self._counts = None
+
+    @property
+    def num_active(self) -> int:
+        """Requests in the running batch."""
+        return len(self._rows)
+
+    @property
+    def active_requests(self) -> list["Request"]:
+        return [row.request for row in self._rows]
+
+    def _check_request(self, req: "Request") -> None:
+        if len(req.prompt) == 0:
+            raise ValueError("prompt is empty")
+        if req.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {req.max_new_tokens}")
+        if req.forced is not None and not isinstance(self.draft, NoDraft):
+            raise ValueError("forced needs a target-only engine (NoDraft)")
+        if req.sampling is not None:
+            mine = self.sampling
+            if (req.sampling.history_dependent or mine.history_dependent or req.sampling.logit_bias
+                    or mine.logit_bias) and (
+                    req.sampling.repetition_penalty, req.sampling.frequency_penalty, req.sampling.presence_penalty,
+                    req.sampling.logit_bias) != (mine.repetition_penalty, mine.frequency_penalty,
+                                                 mine.presence_penalty, mine.logit_bias):
+                raise ValueError("sampling: per-request penalties / logit bias must equal the engine's")
+            if req.sampling.logit_bias and req.sampling.logit_bias[-1][0] >= self.vocab_size:
+                raise ValueError(f"logit_bias: token id {req.sampling.logit_bias[-1][0]} is outside the "
+                                 f"vocabulary of {self.vocab_size} tokens")
+        if not req.speculate and self.verify_name == "gbv":
+            raise ValueError("speculate=False: GBV verifies K paths of L drafts for every request; per-request "
+                             "speculation off needs chain or block")
+
+    def join(self, requests: list["Request"]) -> None:
+        """Add requests to the running batch (between rounds; :meth:`open_batch` first).
+
+        The new requests' prompts are prefilled in one ragged forward (the running rows take no tokens in it);
+        each request's output depends only on its prompt, seed and settings, not on when it joined or what else
+        runs (coins of :mod:`specadapt.engine.coins`). Requests with ``max_new_tokens = 0`` finish at once.
+
+        Raises:
+            ValueError: an empty prompt, a negative ``max_new_tokens``, per-request penalties that differ from the
+                engine's, ``speculate=False`` with GBV, ``forced`` on an engine with a draft.
+        """
+        for req in requests:
+            self._check_request(req)
+        now = time.perf_counter()
+        new = []
+        for req in requests:
+            if req.result is None:
+                req.result = RequestResult(index=0, prompt_tokens=len(req.prompt))
+            req.result.prompt_tokens = len(req.prompt)
+            if req.max_new_tokens == 0:
+                req.result.seconds = 0.0
+                req.result.finish_reason = "length"
+                continue
+            new.append(_Row(req, list(req.prompt), now))
+        if not new:
             return
-        histories_active = [histories[r] for r in active]
-        capacity = self.context_capacity([len(prompts[r]) for r in active], [limits[r] for r in active])
-        kv = self.target.new_cache(len(active), capacity=capacity, packed=self.packed_forward,
-                                   capture=getattr(self.draft, "feature_layers", None))
-        self.draft.context_capacity = capacity
-        prefix = [h[:-1] for h in histories_active]
+        histories = [row.history for row in new]
+        capacity = self.context_capacity([len(h) for h in histories], [row.request.max_new_tokens for row in new])
+        first = self._kv is None
+        old = len(self._rows)
+        if first:
+            self._kv = self.target.new_cache(len(new), capacity=capacity, packed=self.packed_forward,
+                                             capture=getattr(self.draft, "feature_layers", None))
+            self.draft.context_capacity = capacity
+        else:
+            self._kv.add_rows(len(new))
+        prefix = [[] for _ in range(old)] + [h[:-1] for h in histories]
         features = None
         if max(len(p) for p in prefix) > 0:
             ids, counts = _pad(prefix)
-            out = kv.forward(ids, counts, logits_to_keep=1, return_outputs=True, **self._hidden_kwargs)
+            out = self._kv.forward(ids, counts, logits_to_keep=1, return_outputs=True, **self._hidden_kwargs)
             if self.draft.needs_target_hidden:
-                features = self.draft.target_features(out.hidden_states)
-        if self.tts is not None:
-            self.tts.start_batch(len(active))  # fresh per-request adapters before the draft's prefill
-        self._row_seeds = torch.tensor([seeds[r] for r in active], dtype=torch.int64)
-        self.draft.row_seeds = self._row_seeds.clone()
-        self._counts = None
+                features = self.draft.target_features(out.hidden_states)[old:]
+        seeds = torch.tensor([row.request.seed for row in new], dtype=torch.int64)
+        self._row_seeds = torch.cat([self._row_seeds, seeds])
         if self._track_history:
-            self._counts = TokenCounts.from_sequences(histories_active, [len(prompts[r]) for r in active],
-                                                      self.vocab_size)
-        self.draft.start(histories_active)
-        if self.draft.needs_target_hidden:
-            if features is None:
-                features = self.draft.target_features(self._empty_hidden(len(active)))
-            self.draft.observe_target(features)
-        while active:
-            histories_active = [histories[r] for r in active]
-            remaining = torch.tensor([limits[r] - len(results[r].output_ids) for r in active], dtype=torch.int64)
-            if self.verify_name == "gbv":
-                accept_len, output_tokens, n_draft = self._gbv_round(kv, histories_active)
-            else:
-                accept_len, output_tokens, n_draft = self._single_path_round(kv, histories_active, remaining)
-            still_active, keep_rows, emitted_total = [], [], 0
-            emitted_rows = []
-            now = time.perf_counter()
-            for row, r in enumerate(active):
-                tau = int(accept_len[row])
-                # GBV verifies L drafts whatever the remaining budget: keep at most the remaining tokens
-                # (a prefix of an exactly distributed sequence is exactly distributed).
-                emitted = output_tokens[row, : tau + 1].tolist()[: int(remaining[row])]
-                if self._forced is not None:  # teacher forcing of another run's text (paired timing)
-                    done_so_far = len(results[r].output_ids)
-                    emitted = self._forced[r][done_so_far : done_so_far + len(emitted)]
-                res = results[r]
-                done = False
-                for j, tok in enumerate(emitted):
-                    if tok in self.eos_ids:
-                        emitted = emitted[: j + 1]
-                        res.finished_by_eos = True
-                        done = True
-                        break
-                res.rounds.append(RoundRecord(len(res.output_ids), int(n_draft[row]), tau, len(emitted)))
-                res.output_ids.extend(emitted)
-                histories[r].extend(emitted)
-                emitted_rows.append(emitted)
-                emitted_total += len(emitted)
-                if len(res.output_ids) >= limits[r]:
+            counts_new = TokenCounts.from_sequences(histories, [len(h) for h in histories], self.vocab_size)
+            self._counts = counts_new if self._counts is None else TokenCounts(
+                torch.cat([self._counts.generated, counts_new.generated]),
+                torch.cat([self._counts.prompt, counts_new.prompt]))
+        self._rows += new
+        if first:
+            if self.tts is not None:
+                self.tts.start_batch(len(new))  # fresh per-request adapters before the draft's prefill
+            self.draft.row_seeds = self._row_seeds.clone()
+            self.draft.start(histories)
+            if self.draft.needs_target_hidden:
+                if features is None:
+                    features = self.draft.target_features(self._empty_hidden(len(new)))
+                self.draft.observe_target(features)
+        else:
+            if self.tts is not None:
+                self.tts.join(len(new))
+            self.draft.row_seeds = self._row_seeds.clone()
+            self.draft.join(histories, features)
+
+    def cancel(self, requests: list["Request"]) -> None:
+        """Drop these requests from the running batch (their result keeps the tokens emitted so far,
+        ``finish_reason = "cancelled"``); requests not in the batch are ignored."""
+        gone = {id(r) for r in requests}
+        keep = [i for i, row in enumerate(self._rows) if id(row.request) not in gone]
+        for row in self._rows:
+            if id(row.request) in gone:
+                row.request.result.finish_reason = "cancelled"
+                row.request.result.seconds = time.perf_counter() - row.start
+        self._keep_rows(keep)
+
+    def _keep_rows(self, keep: list[int]) -> None:
+        if len(keep) == len(self._rows):
+            return
+        self._rows = [self._rows[i] for i in keep]
+        rows = torch.tensor(keep, dtype=torch.int64)
+        self._kv.select(rows)
+        self.draft.select(rows)
+        self._row_seeds = self._row_seeds.index_select(0, rows)
+        if self._counts is not None:
+            self._counts = self._counts.index_select(rows)
+        if self.tts is not None:
+            self.tts.select(rows)
+
+    def _row_params(self, default: SamplingParams):
+        """``default`` when no running request has its own settings, else one SamplingParams per row."""
+        if all(row.request.sampling is None for row in self._rows):
+            return default if default is not self.sampling else self.sampling
+        return [row.request.sampling or default for row in self._rows]
+
+    def step(self) -> list[tuple["Request", list[int], bool]]:
+        """Run one speculation round for every request of the running batch.
+
+        Returns:
+            ``(request, emitted token ids, finished)`` per request of the batch, in batch order; finished requests
+            (EOS, a stop token, ``max_new_tokens``) have left the batch when this returns.
+        """
+        if not self._rows:
+            return []
+        kv = self._kv
+        histories = [row.history for row in self._rows]
+        remaining = torch.tensor([row.request.max_new_tokens - len(row.request.result.output_ids)
+                                  for row in self._rows], dtype=torch.int64)
+        self._speculate = None
+        if not all(row.request.speculate for row in self._rows):
+            self._speculate = torch.tensor([row.request.speculate for row in self._rows], dtype=torch.bool)
+        self._target_params = self._row_params(self.sampling)
+        draft_default = getattr(self.draft, "sampling", None)
+        self.draft.row_sampling = (None if draft_default is None or isinstance(self._target_params, SamplingParams)
+                                   else self._row_params(draft_default))
+        if self.verify_name == "gbv":
+            accept_len, output_tokens, n_draft = self._gbv_round(kv, histories)
+        else:
+            accept_len, output_tokens, n_draft = self._single_path_round(kv, histories, remaining)
+        keep, events, emitted_rows = [], [], []
+        now = time.perf_counter()
+        for row_index, row in enumerate(self._rows):
+            req, res = row.request, row.request.result
+            tau = int(accept_len[row_index])
+            # GBV verifies L drafts whatever the remaining budget: keep at most the remaining tokens
+            # (a prefix of an exactly distributed sequence is exactly distributed).
+            emitted = output_tokens[row_index, : tau + 1].tolist()[: int(remaining[row_index])]
+            if req.forced is not None:  # teacher forcing of another run's text (paired timing)
+                done_so_far = len(res.output_ids)
+                emitted = req.forced[done_so_far : done_so_far + len(emitted)]
+            done = False
+            eos = self.eos_ids if req.ignore_eos is None else (set() if req.ignore_eos else self._model_eos_ids)
+            for j, tok in enumerate(emitted):
+                if tok in eos or tok in req.stop_token_ids:
+                    emitted = emitted[: j + 1]
+                    res.finished_by_eos = tok in eos
+                    res.finish_reason = "stop"
                     done = True
-                if done:
-                    res.seconds = now - t0
-                else:
-                    still_active.append(r)
-                    keep_rows.append(row)
-            if on_tokens is not None:
-                on_tokens(emitted_total)
-            if self._counts is not None:
-                self._counts.append_(emitted_rows)
-            if len(keep_rows) < len(active) and keep_rows:
-                rows = torch.tensor(keep_rows, dtype=torch.int64)
-                kv.select(rows)
-                self.draft.select(rows)
-                self._row_seeds = self._row_seeds.index_select(0, rows)
-                if self._counts is not None:
-                    self._counts = self._counts.index_select(rows)
-                if self.tts is not None:
-                    self.tts.select(rows)
-            active = still_active
+                    break
+            res.rounds.append(RoundRecord(len(res.output_ids), int(n_draft[row_index]), tau, len(emitted)))
+            res.output_ids.extend(emitted)
+            row.history.extend(emitted)
+            emitted_rows.append(emitted)
+            if len(res.output_ids) >= req.max_new_tokens and not done:
+                done = True
+                res.finish_reason = "length"
+            if done:
+                res.seconds = now - row.start
+            else:
+                keep.append(row_index)
+            events.append((req, emitted, done))
+        if self._counts is not None:
+            self._counts.append_(emitted_rows)
+        self._keep_rows(keep)
+        if not self._rows and self._kv is not None and not hasattr(self._kv, "add_rows_reuses_slots"):
+            self.close_batch()  # a transformers cache of 0 rows cannot take new rows' chunks: start afresh
+        return events
 
     def _coins(self, histories: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Verification coins of a round from each request's own stream: ``uniforms [B, width]`` (slot i's coin
@@ -326,6 +492,8 @@ class SpeculativeEngine:
     def _single_path_round(self, kv, histories: list[list[int]], remaining: torch.Tensor):
         """One chain / block round. Returns ``(accept_len [B] int64, output_tokens [B, L+1], n_draft [B])``."""
         max_drafts = torch.clamp(remaining - 1, min=0, max=self.num_draft_tokens)
+        if self._speculate is not None:  # requests with speculation off verify no drafts (plain decode rows)
+            max_drafts = torch.where(self._speculate, max_drafts, torch.zeros_like(max_drafts))
         self.draft.history_counts = self._counts
         proposal = self.draft.propose(histories, max_drafts, self.vocab_size)
         n_draft = proposal.num_tokens
@@ -340,7 +508,7 @@ class SpeculativeEngine:
             self.draft.observe_target(self.draft.target_features(out.hidden_states))
         # slot i conditions on the committed tokens and drafts[:i]
         history = self._counts.chain(proposal.tokens, n_draft) if self._needs_target_history() else None
-        target_probs = _real_row_probs(logits, n_draft + 1, self.sampling, history)
+        target_probs = _real_row_probs(logits, n_draft + 1, self._target_params, history)
         uniforms, uniforms_final = self._coins(histories, width)
         out = kernels.verify(
             self.verify_name,
@@ -383,7 +551,7 @@ class SpeculativeEngine:
         # a node conditions on the committed tokens and the path from the root to it (itself included)
         history = (self._counts.extend(tree.node_tokens[:, 1:], tree.ancestor_mask[:, :, 1:])
                    if self._needs_target_history() else None)
-        node_probs = logits_to_probs(target_out.logits, self.sampling, history).cpu()  # [B, n, V]
+        node_probs = logits_to_probs_rows(target_out.logits, self._target_params, history).cpu()  # [B, n, V]
         rows = torch.arange(batch)[:, None, None]
         target_probs = node_probs[rows, tree.path_slots]  # [B, K, L+1, V]
         candidates = torch.cat([last[:, None, None].expand(batch, K, 1), tokens], dim=2)
@@ -444,10 +612,13 @@ def _real_row_probs(logits: torch.Tensor, num_real: torch.Tensor, sampling: Samp
     batch, width, vocab = logits.shape
     real = torch.arange(width, device=logits.device)[None, :] < num_real.to(logits.device)[:, None]
     if bool(real.all()):
-        return logits_to_probs(logits, sampling, history).cpu()
+        return logits_to_probs_rows(logits, sampling, history).cpu()
     probs = torch.full((batch, width, vocab), 1.0 / vocab, dtype=torch.float32)
     real_cpu = real.cpu()
-    probs[real_cpu] = logits_to_probs(logits[real], sampling, None if history is None else history[real_cpu]).cpu()
+    if not isinstance(sampling, SamplingParams):  # per-row settings: one per real entry
+        sampling = [sampling[b] for b in real_cpu.nonzero()[:, 0].tolist()]
+    probs[real_cpu] = logits_to_probs_rows(logits[real], sampling,
+                                           None if history is None else history[real_cpu]).cpu()
     return probs
 
 

@@ -240,6 +240,31 @@ class EngineTTS:
         self.updater.reinitialize(fresh)
         self.slots.rows = torch.arange(batch)
 
+    def join(self, count: int) -> None:
+        """``count`` requests joined a running batch: with ``scope="request"`` each takes a free adapter slot,
+        reset to a fresh adapter (in the serving and the shadow copy; buffered supervision is dropped and the
+        optimizer restarts, as at :meth:`start_batch`).
+
+        Raises:
+            ValueError: more requests than free adapter slots.
+        """
+        if self.slots is None or count == 0:
+            return
+        total = self.updater.serving_params[0].shape[0]
+        used = set(self.slots.rows.tolist())
+        free = [s for s in range(total) if s not in used]
+        if len(free) < count:
+            raise ValueError(f"--tts-scope request has {total} adapter slots, {len(used)} in use, {count} joining")
+        taken = free[:count]
+
+        def fresh(module):
+            for m in module.modules():
+                if isinstance(m, PerRequestLoRALinear):
+                    m.reset_slots(taken)
+
+        self.updater.reinitialize(fresh)
+        self.slots.rows = torch.cat([self.slots.rows, torch.tensor(taken, dtype=torch.int64)])
+
     def select(self, rows: torch.Tensor) -> None:
         """Requests finished: keep the slots of the remaining rows."""
         if self.slots is not None:

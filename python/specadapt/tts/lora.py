@@ -141,11 +141,11 @@ class PerRequestLoRALinear(_AdaptedLinear):
         self.reset_slots()
 
     @torch.no_grad()
-    def reset_slots(self) -> None:
-        """Every slot back to a fresh adapter (``B = 0``: the layer equals its base)."""
-        for s in range(self.lora_a.shape[0]):
+    def reset_slots(self, slots: list[int] | None = None) -> None:
+        """Slots back to a fresh adapter (``B = 0``: the layer equals its base): ``slots`` (indices) or all."""
+        for s in range(self.lora_a.shape[0]) if slots is None else slots:
             nn.init.kaiming_uniform_(self.lora_a[s], a=math.sqrt(5))
-        self.lora_b.zero_()
+            self.lora_b[s].zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 3:

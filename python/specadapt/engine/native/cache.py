@@ -41,6 +41,9 @@ class SlotKVCache:
     """
 
     packed = True
+    #: rows that leave free their slot and :meth:`add_rows` takes free slots, so a running batch may empty and
+    #: refill (continuous batching) without a new cache
+    add_rows_reuses_slots = True
 
     def __init__(self, model, batch_size: int, capacity: int = 256, slots: int | None = None,
                  capture: tuple[int, ...] | None = None) -> None:
@@ -241,6 +244,24 @@ class SlotKVCache:
         self.row_slot = self.row_slot.index_select(0, rows)
         self.lengths = self.lengths.index_select(0, rows)
         self._chunk_start = None if self._chunk_start is None else self._chunk_start.index_select(0, rows)
+
+    def add_rows(self, count: int) -> None:
+        """Append ``count`` empty rows (new requests of a running batch, continuous batching): each takes a free
+        slot (allocating more slots if needed) and starts at length 0; the existing rows are untouched.
+
+        Raises:
+            ValueError: ``count < 0``.
+        """
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        if count == 0:
+            return
+        if len(self.free) < count:
+            self._grow(self.capacity, self.num_slots + count - len(self.free))
+        taken = [self.free.pop(0) for _ in range(count)]
+        self.row_slot = torch.cat([self.row_slot, torch.tensor(taken, dtype=torch.int64)])
+        self.lengths = torch.cat([self.lengths, torch.zeros(count, dtype=torch.int64)])
+        self._chunk_start = None
 
     def repeat_interleave(self, repeats: int) -> None:
         """Repeat every row ``repeats`` times (row ``r`` -> rows ``r*repeats ..``): the copies take free slots
