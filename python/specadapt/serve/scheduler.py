@@ -172,7 +172,7 @@ class Scheduler:
         with self._cv:
             if not self._accepting:
                 raise ShuttingDownError("the server is shutting down")
-            if len(self._waiting) >= self.max_queue and len(self._running) + len(self._waiting) >= self.max_batch_size:
+            if len(self._running) + len(self._waiting) >= self.max_batch_size + self.max_queue:
                 raise QueueFullError(f"the waiting queue is full ({self.max_queue} requests waiting, "
                                      f"{len(self._running)} running; --max-queue {self.max_queue})")
             self._waiting.append(job)

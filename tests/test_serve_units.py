@@ -1,0 +1,116 @@
+"""Units of ``specadapt serve`` without HTTP: incremental detokenization with stop strings (multi-byte characters
+split across tokens, stop strings split across tokens, the streaming hold-back) and the scheduler's queue bound,
+drain deadline and refusal after shutdown."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from specadapt import kernels
+from specadapt.engine import NoDraft, SpeculativeEngine
+from specadapt.sampling import SamplingParams
+from specadapt.serve.metrics import ServerMetrics, position_bucket
+from specadapt.serve.scheduler import Job, QueueFullError, Scheduler, ShuttingDownError
+from specadapt.serve.text import IncrementalText
+
+
+class ByteTokenizer:
+    """Token i is the i-th byte string of ``pieces``; decoding joins the bytes as UTF-8 (U+FFFD for a partial
+    character), like byte-level BPE tokenizers."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens=True):
+        return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def test_multibyte_characters_are_released_only_when_complete():
+    euro = "€".encode()  # 3 bytes
+    tok = ByteTokenizer([b"a", euro[:1], euro[1:2], euro[2:], b" b"])
+    text = IncrementalText(tok)
+    deltas = []
+    for t in [0, 1, 2, 3, 4]:
+        text.add([t])
+        deltas.append(text.take_delta())
+    assert deltas == ["a", "", "", "€", " b"] and text.text == "a€ b"
+
+
+def test_a_stop_string_split_across_tokens_ends_the_text_before_it():
+    tok = ByteTokenizer([b"x = 1", b"\n", b"EN", b"D", b" more"])
+    text = IncrementalText(tok, stop=("END",))
+    text.add([0, 1, 2])
+    assert not text.stopped and text.take_delta() == "x = 1\n"  # "EN" is held back: it may start "END"
+    text.add([3, 4])
+    assert text.stopped and text.text == "x = 1\n" and text.num_tokens == 4  # the token completing it counts
+    assert text.take_delta() == ""
+
+
+def test_held_back_text_is_released_when_no_stop_string_follows():
+    tok = ByteTokenizer([b"EN", b"d", b"!"])
+    text = IncrementalText(tok, stop=("END",))
+    text.add([0])
+    assert text.take_delta() == ""
+    text.add([1])
+    assert text.take_delta() == "E"  # the last len("END") - 1 = 2 characters stay held back
+    text.add([2])
+    text.finish()
+    assert text.take_delta() == "Nd!" and not text.stopped
+
+
+def test_position_buckets():
+    assert [position_bucket(p) for p in (0, 511, 512, 4095, 8192, 10**6)] == [
+        "0-512", "0-512", "512-1024", "2048-4096", "8192+", "8192+"]
+
+
+@pytest.fixture
+def engine():
+    if not kernels.has_op_for("native_llama_forward", torch.device("cpu")):
+        pytest.skip("specadapt._C built without the native kernels")
+    from test_native_engine import native_target
+
+    return SpeculativeEngine(native_target("float32", vocab=40), NoDraft(), SamplingParams(0.0), 0)
+
+
+def _job(prompt, n, events, done=None):
+    def sink(event):
+        events.append(event)
+        if event.finished and done is not None:
+            done.set()
+
+    return Job(prompt=prompt, max_tokens=n, sink=sink, ignore_eos=True)
+
+
+def test_the_queue_bound_counts_waiting_beyond_the_batch(engine):
+    sched = Scheduler(engine, max_batch_size=2, max_queue=1, metrics=ServerMetrics(engine))
+    events = []
+    for _ in range(3):  # not started: 2 places in the batch + 1 in the queue
+        sched.submit(_job([1, 2, 3], 4, events))
+    with pytest.raises(QueueFullError, match="--max-queue 1"):
+        sched.submit(_job([1, 2, 3], 4, events))
+    sched.start()
+    sched.stop()
+    assert sum(e.finished for e in events) == 3 and {e.finish_reason for e in events if e.finished} == {"error"}
+
+
+def test_drain_lets_requests_run_until_the_deadline_then_ends_them_with_an_error(engine):
+    sched = Scheduler(engine, max_batch_size=2, max_queue=4)
+    sched.start()
+    short_events, long_events = [], []
+    short_done, long_done = threading.Event(), threading.Event()
+    sched.submit(_job([1, 2, 3], 5, short_events, short_done))
+    sched.submit(_job([4, 5], 100_000, long_events, long_done))
+    assert short_done.wait(30)
+    sched.drain(0.3)
+    with pytest.raises(ShuttingDownError):
+        sched.submit(_job([1], 3, []))
+    assert long_done.wait(30)
+    assert short_events[-1].finish_reason == "length" and sum(len(e.tokens) for e in short_events) == 5
+    last = long_events[-1]
+    assert last.finish_reason == "error" and "shut down" in last.error
+    assert 0 < sum(len(e.tokens) for e in long_events) < 100_000
+    sched.stop()
+    assert sched.idle
