@@ -62,6 +62,9 @@ def _run(capsys, *argv):
         (["--logit-bias", "1:inf"], "--logit-bias"),
         (["--logit-bias", "-1:2"], "--logit-bias"),
         (["--logit-bias", "1:1,1:2"], "--logit-bias"),
+        (["--draft", "none", "--tts"], "--tts"),
+        (["--draft", "none", "--num-draft-tokens", "3"], "--num-draft-tokens"),
+        (["--draft", "none", "--verify", "gbv"], "--verify gbv"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(capsys, argv, flag):
@@ -123,6 +126,17 @@ def test_generate_end_to_end_writes_json(capsys, tiny_model_dir, tmp_path, draft
     assert report["config"]["baseline_mode"] == "paired"
     assert s["baseline_output_tokens"] == sum(r["output_tokens"] for r in report["requests"])
     assert "acceptance length" in stdout
+
+
+def test_draft_none_decodes_target_only(capsys, tiny_model_dir, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"q": "what is the sum of two and three"}) + "\n")
+    out = tmp_path / "none.json"
+    code, _, _ = _run(capsys, "--model", str(tiny_model_dir), "--draft", "none", "--dataset", str(data),
+                      "--prompt-field", "q", "--max-new-tokens", "12", "--json", str(out))
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["num_draft_tokens"] == 0 and report["summary"]["acceptance_length"] == 1.0
 
 
 def test_default_num_draft_tokens_by_draft():

@@ -114,3 +114,21 @@ def test_drain_lets_requests_run_until_the_deadline_then_ends_them_with_an_error
     assert 0 < sum(len(e.tokens) for e in long_events) < 100_000
     sched.stop()
     assert sched.idle
+
+
+@pytest.mark.parametrize("argv,flag", [(["--max-batch-size", "0"], "--max-batch-size"),
+                                       (["--max-queue", "-1"], "--max-queue"),
+                                       (["--port", "70000"], "--port"),
+                                       (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
+                                       (["--temperature", "-1"], "--temperature"),
+                                       (["--draft", "none", "--tts"], "--tts")])
+def test_bad_serve_flags_are_one_line_exit_2(capsys, argv, flag):
+    from specadapt.cli import main
+
+    try:
+        code = main(["serve", *argv])
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and flag in lines[0], err

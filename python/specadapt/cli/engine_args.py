@@ -34,7 +34,7 @@ def add_engine_arguments(p) -> None:
     p.add_argument("--model", default=d["model"], help="target: smollm2-135m, a HF model directory or a .gguf file")
     p.add_argument(
         "--draft", default=d["draft"], help="ngram (prompt lookup), eagle (the trained head shipped for smollm2-135m), eagle:PATH "
-        "(a head file), self:N (first N target layers) or a model path"
+        "(a head file), self:N (first N target layers), a model path, or none (target-only decoding)"
     )
     p.add_argument("--temperature", type=float, default=d["temperature"], help="0 = greedy")
     p.add_argument("--top-p", type=float, default=d["top_p"], help="nucleus sampling mass, in (0, 1]")
@@ -130,9 +130,17 @@ def validate_engine_args(args) -> None:
     Raises:
         UsageError: a value out of range or an incompatible combination, naming the flag.
     """
+    if args.draft == "none":  # target-only decoding: no drafts, nothing to adapt or prune
+        for flag, on in (("--tts", args.tts), ("--adaptive-verification", args.adaptive_verification),
+                         ("--log-drafts", args.log_drafts), ("--verify gbv", args.verify == "gbv")):
+            if on:
+                raise UsageError(f"{flag} needs a draft; --draft none decodes target-only")
+        if args.num_draft_tokens not in (None, 0):
+            raise UsageError(f"--num-draft-tokens {args.num_draft_tokens}: --draft none verifies no drafts (L = 0)")
+        args.num_draft_tokens = 0
     if args.num_draft_tokens is None:
         args.num_draft_tokens = default_num_draft_tokens(args.draft, args.verify, args.adaptive_verification)
-    if args.num_draft_tokens < 1:
+    if args.num_draft_tokens < 1 and args.draft != "none":
         raise UsageError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
     if not 0 <= args.temperature < float("inf"):
         raise UsageError(f"--temperature must be a finite number >= 0 (below 1e-6 = greedy), got {args.temperature}")

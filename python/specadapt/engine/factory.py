@@ -1,4 +1,4 @@
-"""Build a draft from its command-line spec (``ngram``, ``eagle``, ``eagle:PATH``, ``self:N``, or a model path)."""
+"""Build a draft from its command-line spec (``none``, ``ngram``, ``eagle``, ``eagle:PATH``, ``self:N``, or a model path)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 import torch
 
 from ..sampling import SamplingParams
-from .drafts import Draft, ModelDraft, NgramDraft, check_same_vocabulary, self_draft
+from .drafts import Draft, ModelDraft, NgramDraft, NoDraft, check_same_vocabulary, self_draft
 from .models import LoadedModel, load_model
 
 __all__ = ["DEFAULT_DRAFT", "build_draft", "parse_draft_spec"]
@@ -17,14 +17,14 @@ _SELF = re.compile(r"^self:(\d+)$")
 
 
 def parse_draft_spec(spec: str) -> tuple[str, int | str | None]:
-    """Split a draft spec into ``("ngram", None)``, ``("eagle", path or None)``, ``("self", N)`` or
+    """Split a draft spec into ``("none", None)`` (target-only), ``("ngram", None)``, ``("eagle", path or None)``, ``("self", N)`` or
     ``("model", path)``.
 
     Raises:
         ValueError: a ``self:`` spec without a positive integer.
     """
-    if spec == "ngram":
-        return "ngram", None
+    if spec in ("ngram", "none"):
+        return spec, None
     if spec == "eagle":
         return "eagle", None
     if spec.startswith("eagle:"):
@@ -60,6 +60,8 @@ def build_draft(
     kind, value = parse_draft_spec(spec)
     draft_seed = seed + 1  # the draft's own seed (its coins also carry each request's seed)
     native = target.native
+    if kind == "none":
+        return NoDraft()
     if kind == "ngram":
         return NgramDraft()
     if kind == "eagle":
