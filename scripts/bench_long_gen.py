@@ -77,7 +77,7 @@ DEFAULT_CONCURRENCY = {"openai": 8, "embedded": 3}
 BODY_EXCERPT = 300
 # Where SGLang (and look-alikes) put per-request speculative counters in a response, searched in this order.
 SPEC_KEYS = ("spec_verify_ct", "spec_accept_length", "spec_accept_histogram", "spec_accept_rate",
-             "spec_accept_token_num", "spec_draft_token_num")
+             "spec_accept_token_num", "spec_draft_token_num", "spec_round_emitted")
 
 
 class BenchError(Exception):
@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="acceptance length vs output position (embedded) or per request vs output length (HTTP)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+    p.add_argument("--bucket-edges", default=DEFAULT_BUCKET_EDGES,
+                   help="output-position bucket edges of acceptance by position (embedded backend, and servers that "
+                        "return per-round counts: spec_round_emitted, as specadapt serve does)")
     http = p.add_argument_group("HTTP backend (--backend openai)")
     http.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:30000 (a trailing /v1 "
                                                        "is dropped)")
@@ -147,7 +150,6 @@ def build_parser() -> argparse.ArgumentParser:
     emb.add_argument("--tts", action="store_true", help="Test-Time Speculation of the model draft")
     emb.add_argument("--device", default="cpu", help="cpu or cuda")
     emb.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    emb.add_argument("--bucket-edges", default=DEFAULT_BUCKET_EDGES, help="output-position bucket edges")
     emb.add_argument("--generate-args", default="", metavar="'FLAGS'",
                      help="more `specadapt generate` flags as one string, written with '=': "
                           "--generate-args='--tts-stride 1 --top-k 50'")
@@ -168,6 +170,12 @@ def validate(args) -> None:
         raise ArgumentError(f"--temperature must be >= 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise ArgumentError(f"--top-p must lie in (0, 1], got {args.top_p}")
+    try:
+        edges = [int(x) for x in args.bucket_edges.split(",")]
+    except ValueError:
+        raise ArgumentError(f"--bucket-edges must be comma-separated integers, got {args.bucket_edges!r}") from None
+    if edges[0] != 0 or any(b <= a for a, b in zip(edges, edges[1:])):
+        raise ArgumentError(f"--bucket-edges must start at 0 and increase strictly, got {args.bucket_edges!r}")
     if args.concurrency is None:
         args.concurrency = DEFAULT_CONCURRENCY[args.backend]
     if args.concurrency < 1:
@@ -353,6 +361,7 @@ def _record(prompt_tokens, completion: int, spec: dict, finish_reason, text) -> 
         "spec_verify_ct": _int_or_none(spec.get("spec_verify_ct")),
         "server_accept_length": spec.get("spec_accept_length"),
         "spec_accept_histogram": spec.get("spec_accept_histogram"),
+        "round_emitted": spec.get("spec_round_emitted") if isinstance(spec.get("spec_round_emitted"), list) else None,
         "finish_reason": _finish_reason(finish_reason),
         "text": text,
     }
@@ -380,8 +389,9 @@ def generate_request(client: HttpClient, args, prompt, text: str) -> dict:
     return _record(meta.get("prompt_tokens"), completion, spec_fields(meta), meta.get("finish_reason"), resp.get("text"))
 
 
-def parse_prometheus(text: str, prefix: str = "sglang:spec_") -> dict:
-    """Samples of the metrics whose name starts with ``prefix`` from Prometheus text exposition.
+def parse_prometheus(text: str, prefix: str | tuple[str, ...] = ("sglang:spec_", "specadapt_")) -> dict:
+    """Samples of the metrics whose name starts with ``prefix`` (one or a tuple) from Prometheus text exposition
+    (SGLang's speculative metrics and ``specadapt serve``'s).
 
     Histogram buckets (``*_bucket``) are skipped. Returns ``{name: [{"labels": {...}, "value": float}]}``.
     """
@@ -713,6 +723,28 @@ def run_embedded(args, prompts) -> tuple[list[dict], float, dict, list[dict], fl
 # report
 
 
+def http_acceptance_by_position(records: list[dict], bucket_edges: str) -> list[dict] | None:
+    """Acceptance length by output-position bucket from servers that return the tokens emitted by each round
+    (``spec_round_emitted``): fills each such record's ``acceptance_by_position`` and returns the summary over all
+    of their rounds, or ``None`` when no record has per-round counts."""
+    from specadapt.engine import RoundRecord
+    from specadapt.engine.metrics import acceptance_by_position
+
+    edges = [int(x) for x in bucket_edges.split(",")]
+    every = []
+    for r in records:
+        emitted = r.get("round_emitted")
+        if not emitted:
+            continue
+        rounds, position = [], 0
+        for e in emitted:
+            rounds.append(RoundRecord(position=position, num_drafted=0, accepted=int(e) - 1, emitted=int(e)))
+            position += int(e)
+        r["acceptance_by_position"] = acceptance_by_position(rounds, edges)
+        every += rounds
+    return acceptance_by_position(every, edges) if every else None
+
+
 def summarize(records: list[dict], wall: float, by_position: list[dict] | None = None,
               overall_acceptance: float | None = None) -> dict:
     """Totals over requests; fills each record's ``tokens_per_s``.
@@ -800,7 +832,8 @@ def _sibling(name: str):
 def plot(report: dict, path: str) -> str:
     """Write the figure; returns the title used.
 
-    With per-position data (embedded backend): acceptance length vs output position (bucket middles, the curve of
+    With per-position data (embedded backend, or a server returning ``spec_round_emitted``): acceptance length vs
+    output position (bucket middles, the curve of
     ``scripts/plot_acceptance.py``). Otherwise per-request acceptance length vs output length, or — without any
     speculative metrics — latency vs output length; the title says which.
     """
@@ -815,7 +848,7 @@ def plot(report: dict, path: str) -> str:
     by_pos = s.get("acceptance_by_position")
     if by_pos and any(b["rounds"] for b in by_pos):
         xs, ys = _sibling("plot_acceptance").curve(report)
-        label = f"{c.get('draft')}{' + TTS' if c.get('tts') else ''}"
+        label = f"{c.get('draft')}{' + TTS' if c.get('tts') else ''}" if c.get("draft") else c.get("endpoint")
         ax.plot(xs, ys, marker="o", label=label)
         ax.set_xlabel("output position (tokens)")
         ax.set_ylabel("acceptance length (tokens / round)")
@@ -854,7 +887,7 @@ def write_json(report: dict, path: str) -> None:
 
 
 _HTTP_ONLY = ("base_url", "api", "timeout", "tokenizer", "no_meta_info", "scrape_metrics")
-_EMBEDDED_ONLY = ("draft", "num_draft_tokens", "verify", "tts", "device", "dtype", "bucket_edges", "generate_args")
+_EMBEDDED_ONLY = ("draft", "num_draft_tokens", "verify", "tts", "device", "dtype", "generate_args")
 
 
 def run(args) -> dict:
@@ -876,7 +909,7 @@ def run(args) -> dict:
     if args.backend == "openai":
         records, wall, extra, metrics = run_http(args, prompts)
         config["model"] = args.model
-        summary = summarize(records, wall)
+        summary = summarize(records, wall, http_acceptance_by_position(records, args.bucket_edges))
     else:
         records, wall, extra, by_position, overall = run_embedded(args, prompts)
         summary = summarize(records, wall, by_position, overall)

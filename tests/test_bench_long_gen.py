@@ -460,3 +460,35 @@ def test_embedded_acceptance_counts_tokens_emitted_not_gbv_drafts_past_the_cap(t
     assert req["output_tokens"] == 7 and req["rounds"] == 2  # 6 tokens, then 1 of a fully accepted block
     assert req["acceptance_length"] == 3.5
     assert report["summary"]["acceptance_length"] == 3.5
+
+
+def test_http_backend_against_specadapt_serve(tiny_model_dir, tmp_path, capsys):
+    """The client, unchanged in its requests, against the real ``specadapt serve`` on loopback: output lengths,
+    acceptance lengths from spec_verify_ct, acceptance by output position from spec_round_emitted, the plot, and
+    the server's specadapt_* metrics scraped."""
+    pytest.importorskip("matplotlib")
+    from serving import RunningServer
+
+    srv = RunningServer(["--model", str(tiny_model_dir), "--draft", "self:1", "--verify", "block",
+                         "--num-draft-tokens", "3", "--max-batch-size", "2"])
+    try:
+        out, fig = tmp_path / "s.json", tmp_path / "s.png"
+        code, _, err = _run(capsys, "--backend", "openai", "--base-url", srv.url + "/v1", "--api", "chat",
+                            "--dataset", str(_prompt_file(tmp_path)), "--max-tokens", "24", "--concurrency", "3",
+                            "--ignore-eos", "--seed", "3", "--bucket-edges", "0,8,16", "--scrape-metrics",
+                            "--json", str(out), "--plot", str(fig))
+    finally:
+        srv.close()
+    assert code == 0, err
+    report = json.loads(out.read_text())
+    for req in report["requests"]:
+        assert req["output_tokens"] == 24 and req["finish_reason"] == "length"
+        assert req["acceptance_source"] == "completion_tokens/spec_verify_ct"
+        assert sum(req["round_emitted"]) == 24
+        assert sum(b["rounds"] for b in req["acceptance_by_position"]) == req["spec_verify_ct"]
+    s = report["summary"]
+    assert [(b["start"], b["end"]) for b in s["acceptance_by_position"]] == [(0, 8), (8, 16), (16, None)]
+    assert s["acceptance_length"] == pytest.approx(72 / sum(r["spec_verify_ct"] for r in report["requests"]))
+    after = report["server_metrics"]["after"]
+    assert after["specadapt_generation_tokens_total"][0]["value"] >= 72
+    assert bench.plot(report, str(fig)).startswith("acceptance length vs output position")
