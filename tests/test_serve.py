@@ -266,7 +266,7 @@ def test_the_openai_client_talks_to_the_server(server):
 
 def test_sigterm_drains_in_flight_requests_and_exits(tiny_model_dir, tmp_path):
     """A server process that gets SIGTERM mid-request finishes it (or ends it with a clear error past
-    --shutdown-timeout) and exits after its shutdown (uvicorn's log line), leaving nothing running."""
+    --shutdown-timeout), then exits with code 0 after the HTTP server's shutdown (uvicorn's log line)."""
     port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "specadapt", "serve", "--model", str(tiny_model_dir),
@@ -294,8 +294,7 @@ def test_sigterm_drains_in_flight_requests_and_exits(tiny_model_dir, tmp_path):
         assert events[-1] == "[DONE]"
         last = json.loads(events[-2])
         assert last["choices"][0]["finish_reason"] == "length" or "error" in last
-        # uvicorn re-raises the captured signal after its graceful shutdown, so the exit status is SIGTERM's
-        assert proc.wait(60) in (0, -signal.SIGTERM)
+        assert proc.wait(60) == 0
     finally:
         if proc.poll() is None:
             proc.kill()

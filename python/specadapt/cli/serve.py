@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 
 from .common import UsageError
 from .engine_args import _silence_gguf_progress, add_engine_arguments, build_engine, validate_engine_args
@@ -62,8 +63,9 @@ def validate(args) -> None:
         raise UsageError("--tts-scope request needs --tts-params lora")
 
 
-def build_server(args):
-    """Load the engine from the flags and make the app. Returns ``(app, state, built)``.
+def build_server(args, start_engine: bool = True):
+    """Load the engine from the flags and make the app (``start_engine``: its lifespan runs the engine loop on a
+    thread of its own). Returns ``(app, state, built)``.
 
     Raises:
         UsageError: a model, draft or setting that cannot be loaded.
@@ -83,10 +85,13 @@ def build_server(args):
                         model_name=args.served_model_name or args.model,
                         context_length=built.target.context_length or 2**31, vocab_size=built.target.vocab_size,
                         metrics=metrics)
-    return create_app(state, on_shutdown=built.close), state, built
+    return create_app(state, start_engine, on_shutdown=built.close), state, built
 
 
 def run(args) -> int:
+    import signal
+    import threading
+
     import uvicorn
 
     validate(args)
@@ -95,29 +100,40 @@ def run(args) -> int:
 
         hf_logging.disable_progress_bar()
         _silence_gguf_progress()
-    app, state, built = build_server(args)
-    target = built.target
-    print(f"specadapt serve: {args.model} ({target.forward_name} forward, {target.weight_format}), draft "
-          f"{args.draft}, verify {args.verify}, L = {args.num_draft_tokens}, max batch {args.max_batch_size}",
-          flush=True)
+    app, state, built = build_server(args, start_engine=False)
+    target, scheduler = built.target, state.scheduler
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)
-    server = _Server(config, state.scheduler, args.shutdown_timeout)
-    server.run()
+    server = uvicorn.Server(config)
+    # The engine loop runs here, on the thread that loaded and warmed up the model (see specadapt.serve.scheduler:
+    # torch kernels on a second thread ran 3x slower); the HTTP server runs on a thread of its own.
+    web = threading.Thread(target=server.run, name="specadapt-http", daemon=True)
+    web.start()
+    while not server.started and web.is_alive():
+        time.sleep(0.05)
+    if not web.is_alive():
+        built.close()
+        raise UsageError(f"--host / --port: cannot serve on {args.host}:{args.port} (see the log above)")
+    port = server.servers[0].sockets[0].getsockname()[1] if server.servers else args.port
+    print(f"specadapt serve: http://{args.host}:{port}/v1 -- {args.model} ({target.forward_name} forward, "
+          f"{target.weight_format}), draft {args.draft}, verify {args.verify}, L = {args.num_draft_tokens}, "
+          f"max batch {args.max_batch_size}, queue {args.max_queue}", flush=True)
+
+    def on_signal(sig, frame):
+        if scheduler.draining:  # a second Ctrl-C: end what is left now
+            logger.warning("signal %s again: ending the in-flight requests", sig)
+            scheduler.stop(timeout=0)
+            return
+        logger.warning("signal %s: draining (no new requests; in-flight ones have %.0f s)", sig, args.shutdown_timeout)
+        scheduler.drain(args.shutdown_timeout)
+        server.should_exit = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    try:
+        scheduler.run()
+    finally:
+        server.should_exit = True
+        web.join(args.shutdown_timeout + 10)
+        built.close()
     return 0
-
-
-class _Server:
-    """uvicorn's server, which on SIGTERM / SIGINT first tells the engine thread to drain (no new requests; the
-    in-flight ones have ``shutdown_timeout`` seconds to finish before they end with an error)."""
-
-    def __new__(cls, config, scheduler, shutdown_timeout):
-        import uvicorn
-
-        class Server(uvicorn.Server):
-            def handle_exit(self, sig, frame):
-                logger.warning("signal %s: draining (in-flight requests have %.0f s)", sig, shutdown_timeout)
-                scheduler.drain(shutdown_timeout)
-                super().handle_exit(sig, frame)
-
-        return Server(config)

@@ -64,17 +64,20 @@ class ServerState:
         return self.scheduler.engine
 
 
-def create_app(state: ServerState, on_shutdown=None) -> FastAPI:
-    """The FastAPI application over ``state``; its lifespan starts the engine thread and stops it (then calls
-    ``on_shutdown``, e.g. to stop the TTS trainer)."""
+def create_app(state: ServerState, start_engine: bool = True, on_shutdown=None) -> FastAPI:
+    """The FastAPI application over ``state``. With ``start_engine`` its lifespan starts the engine loop on a
+    thread of its own and stops it at the end (then calls ``on_shutdown``, e.g. to stop the TTS trainer);
+    without, the caller runs :meth:`Scheduler.run` itself (``specadapt serve`` runs it on its main thread)."""
 
     @asynccontextmanager
     async def lifespan(app):
-        state.scheduler.start()
+        if start_engine:
+            state.scheduler.start()
         yield
-        state.scheduler.stop()
-        if on_shutdown is not None:
-            on_shutdown()
+        if start_engine:
+            state.scheduler.stop()
+            if on_shutdown is not None:
+                on_shutdown()
 
     app = FastAPI(title="specadapt", lifespan=lifespan)
     app.state.server = state

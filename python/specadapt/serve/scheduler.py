@@ -9,7 +9,11 @@ prompt, seed and settings only, not on when it joined or what else runs.
 
 Threads: HTTP handlers call :meth:`Scheduler.submit` / :meth:`Scheduler.cancel` from the event loop; the engine
 thread is the only one that touches the engine, and hands each request's events to its ``sink`` (a callable run on
-the engine thread, which the web layer forwards to its event loop).
+the engine thread, which the web layer forwards to its event loop). Run the engine loop on the thread that loaded
+and warmed up the model (:meth:`Scheduler.run`, as ``specadapt serve`` does on its main thread): on these CPUs a
+second thread running torch's OpenMP kernels beside the one that ran them first decoded 3x slower (64 against 192
+tokens/s target-only on SmolLM2-135M, 2 cores), while all torch work on one thread, whichever, ran at full speed.
+:meth:`Scheduler.start` (a thread of its own) is for tests and embedding.
 
 Failures: a request the engine refuses at ``join`` fails alone. If a round raises, the batch is rebuilt: every
 running request is resumed alone from what it has emitted (its prompt plus output so far, the same seed: the coins
@@ -156,11 +160,16 @@ class Scheduler:
 
     # ---- called from other threads -------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the engine thread (once)."""
+        """Run the engine loop on a thread of its own (once); see the module docstring for :meth:`run`."""
         if self._thread is None:
-            self.engine.open_batch()
-            self._thread = threading.Thread(target=self._loop, name="specadapt-engine", daemon=True)
+            self._thread = threading.Thread(target=self.run, name="specadapt-engine", daemon=True)
             self._thread.start()
+
+    def run(self) -> None:
+        """Run the engine loop on the calling thread until :meth:`stop`, or until a :meth:`drain` ends (every
+        request finished, or the deadline passed and the rest ended with an error)."""
+        self.engine.open_batch()
+        self._loop()
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; it joins the batch at the next round boundary with a free place.
@@ -190,11 +199,16 @@ class Scheduler:
 
     def drain(self, timeout: float) -> None:
         """Take no new requests; the running and waiting ones may go on for ``timeout`` seconds, then end with
-        an error (graceful shutdown)."""
+        an error (graceful shutdown). The loop returns once no request is left."""
         with self._cv:
             self._accepting = False
-            self._deadline = time.perf_counter() + max(float(timeout), 0.0)
+            if self._deadline is None:
+                self._deadline = time.perf_counter() + max(float(timeout), 0.0)
             self._cv.notify()
+
+    @property
+    def draining(self) -> bool:
+        return self._deadline is not None
 
     def stop(self, timeout: float = 10.0) -> None:
         """End every request still open with an error and stop the engine thread."""
@@ -224,7 +238,9 @@ class Scheduler:
         while True:
             with self._cv:
                 while not (self._stop or self._cancels or self._running or self._waiting):
-                    self._cv.wait(0.5 if self._deadline is not None else None)
+                    if self._deadline is not None:
+                        return  # drained: nothing left to run
+                    self._cv.wait()
                 cancels, self._cancels = self._cancels, []
                 stop = self._stop or (self._deadline is not None and time.perf_counter() >= self._deadline)
                 admit = []
