@@ -331,3 +331,31 @@ def test_the_embedded_default_with_the_eagle_head_serves_target_only_greedy_outp
         assert m["specadapt_kv_cache_rows"] == 0 and m["specadapt_kv_cache_free_slots"] == m["specadapt_kv_cache_slots"]
     finally:
         srv.close()
+
+
+@pytest.mark.parametrize("extra,counter", [
+    (["--tts", "--tts-stride", "1", "--tts-sync", "--tts-lr", "1e-3"], "specadapt_tts_updates_total"),
+    (["--tts", "--tts-stride", "1", "--tts-sync", "--tts-params", "lora", "--tts-scope", "request"],
+     "specadapt_tts_updates_total"),
+    (["--adaptive-verification", "--num-draft-tokens", "4"], "specadapt_draft_tokens_pruned_total"),
+])
+def test_tts_and_adaptive_verification_through_the_server_keep_greedy_output(tiny_model_dir, extra, counter):
+    """Test-Time Speculation (shared draft, or per-request LoRA adapter slots that requests take as they join) and
+    adaptive verification under continuous batching: 6 concurrent greedy requests, at most 3 together, give
+    target-only greedy decoding's tokens; the technique's counter is exported."""
+    srv = RunningServer(["--model", str(tiny_model_dir), "--draft", "self:1", "--verify", "block",
+                         "--max-batch-size", "3", "--temperature", "0"] + extra)
+    try:
+        target = srv.built.target
+        prompts = [_ids(srv, p) for p in PROMPTS[:6]]
+        expected = [target_only_greedy(target, p, n) for p, n in zip(prompts, LENGTHS[:6])]
+        with ThreadPoolExecutor(6) as pool:
+            replies = list(pool.map(lambda i: _complete(srv.url, {"prompt": prompts[i], "max_tokens": LENGTHS[i],
+                                                                  "return_token_ids": True}).json(), range(6)))
+        assert [r["choices"][0]["token_ids"] for r in replies] == expected
+        m = srv.wait_idle()
+        assert counter in m
+        if "--tts" in extra:
+            assert m[counter] > 0
+    finally:
+        srv.close()

@@ -88,7 +88,7 @@ def create_app(state: ServerState, start_engine: bool = True, on_shutdown=None) 
 
     @app.get("/health")
     async def health():
-        if not state.scheduler._accepting:
+        if not state.scheduler.accepting:
             return JSONResponse({"status": "shutting down"}, status_code=503)
         return {"status": "ok"}
 
@@ -256,7 +256,7 @@ def _build_job(state: ServerState, body, prompt: list[int], sink) -> Job:
     seed = secrets.randbits(63) if body.seed is None else body.seed
     return Job(prompt=prompt, max_tokens=max_tokens, sink=sink, seed=seed, sampling=sampling,
                stop_token_ids=frozenset(stop_ids), stop=stop, ignore_eos=body.ignore_eos or None,
-               speculate=body.speculate, tokenizer=state.tokenizer)
+               speculate=body.speculate, tokenizer=state.tokenizer, stream=body.stream)
 
 
 # ---- responses ---------------------------------------------------------------------------------------------------
@@ -325,6 +325,8 @@ async def _serve(raw: HTTPRequest, state: ServerState, body, prompt: list[int], 
         if not job.finished:
             state.scheduler.cancel(job)
     if job.finish_reason == "error":
+        if not state.scheduler.accepting:  # ended by the shutdown, not by a fault of the engine
+            raise APIError(503, f"the request did not finish: {job.error}", kind="server_unavailable")
         raise APIError(500, f"the request failed: {job.error}")
     text = job.text()
     choice = {"index": 0, "finish_reason": job.finish_reason}

@@ -41,24 +41,14 @@ def position_bucket(position: int, edges=POSITION_EDGES) -> str:
     return f"{edges[-1]}+"
 
 
-class _TTSCollector:
-    """Reads the TTS updater's counters at scrape time."""
-
-    def __init__(self, tts) -> None:
-        self.tts = tts
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        stats = self.tts.stats
-        for name, value, doc in (("updates", stats.updates, "TTS optimizer steps taken"),
-                                 ("rollbacks", stats.rollbacks, "TTS rollbacks to the last good weights"),
-                                 ("publish_wait_seconds", stats.publish_wait_seconds,
-                                  "seconds the decoding loop waited at TTS publish boundaries")):
-            family = CounterMetricFamily(f"specadapt_tts_{name}", doc)
-            family.add_metric([], float(value))
-            yield family
+def _tts_families(tts):
+    """The TTS updater's counters, read at scrape time."""
+    stats = tts.stats
+    for name, value, doc in (("updates", stats.updates, "TTS optimizer steps taken"),
+                             ("rollbacks", stats.rollbacks, "TTS rollbacks to the last good weights"),
+                             ("publish_wait_seconds", stats.publish_wait_seconds,
+                              "seconds the decoding loop waited at TTS publish boundaries")):
+        yield CounterMetricFamily(f"specadapt_tts_{name}", doc, value=float(value))
 
 
 class ServerMetrics:
@@ -99,13 +89,12 @@ class ServerMetrics:
         self._lock = threading.Lock()
         adaptive = getattr(engine, "adaptive", None)
         if adaptive is not None:
-            family = CounterMetricFamily
-            self.registry.register(_Callback(lambda: family("specadapt_draft_tokens_pruned",
-                                                            "draft tokens pruned by adaptive verification",
-                                                            value=float(adaptive.pruned))))
+            self.registry.register(_Callback(lambda: [CounterMetricFamily(
+                "specadapt_draft_tokens_pruned", "draft tokens pruned by adaptive verification",
+                value=float(adaptive.pruned))]))
         tts = getattr(engine, "tts", None)
         if tts is not None:
-            self.registry.register(_TTSCollector(tts))
+            self.registry.register(_Callback(lambda: _tts_families(tts)))
 
     # ---- updates -------------------------------------------------------------------------------------------
     def observe_round(self, record) -> None:
@@ -159,7 +148,7 @@ class ServerMetrics:
 
 
 class _Callback:
-    """A collector yielding one metric family made at scrape time."""
+    """A collector whose metric families ``make()`` returns at scrape time."""
 
     def __init__(self, make) -> None:
         self.make = make
@@ -168,4 +157,4 @@ class _Callback:
         return []
 
     def collect(self):
-        yield self.make()
+        yield from self.make()

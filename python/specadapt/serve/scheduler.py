@@ -79,8 +79,10 @@ class Job:
         stop: stop strings (the output ends before the first; needs ``tokenizer``).
         ignore_eos: decode past EOS.
         speculate: ``False`` verifies no drafts for this request.
-        sink: called on the engine thread with every :class:`JobEvent` of the request.
+        sink: called on the engine thread with the request's :class:`JobEvent` s: one per round with ``stream``,
+            else only the last (the caller reads the output from the job).
         tokenizer: decodes the output (``None``: events carry no text and ``stop`` must be empty).
+        stream: hand an event to ``sink`` every round (streaming responses), not only when the request ends.
     """
 
     prompt: list[int]
@@ -93,6 +95,7 @@ class Job:
     ignore_eos: bool | None = None
     speculate: bool = True
     tokenizer: object = None
+    stream: bool = True
     # filled while it runs
     output_ids: list[int] = field(default_factory=list)
     rounds: list = field(default_factory=list)  # RoundRecord of each round
@@ -205,6 +208,11 @@ class Scheduler:
             if self._deadline is None:
                 self._deadline = time.perf_counter() + max(float(timeout), 0.0)
             self._cv.notify()
+
+    @property
+    def accepting(self) -> bool:
+        """New requests are taken (not draining or stopped)."""
+        return self._accepting
 
     @property
     def draining(self) -> bool:
@@ -325,7 +333,8 @@ class Scheduler:
         if self.metrics is not None and tokens:
             self.metrics.tokens(len(tokens))
         if finish_reason is None:
-            job.sink(JobEvent(tokens, job.detok.take_delta() if job.detok is not None else ""))
+            if job.stream:
+                job.sink(JobEvent(tokens, job.detok.take_delta() if job.detok is not None else ""))
             return
         with self._cv:
             self._running.pop(id(job.engine_request), None)
