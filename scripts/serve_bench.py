@@ -51,7 +51,19 @@ def _run_generate(engine, prompts, max_tokens, concurrency, seeds):
     return [r.output_ids for r in results], [r.seconds for r in results], wall
 
 
-def _run_serve(built, model_name, prompts, max_tokens, concurrency, seeds):
+def _stream_completion(http, url: str, body: dict) -> list[int]:
+    """One streamed completion (server-sent events); returns the token ids of its last chunk."""
+    token_ids = None
+    with http.stream("POST", url + "/v1/completions", json=dict(body, stream=True)) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                choices = json.loads(line[len("data: "):]).get("choices") or [{}]
+                token_ids = choices[0].get("token_ids", token_ids)
+    return token_ids
+
+
+def _run_serve(built, model_name, prompts, max_tokens, concurrency, seeds, stream=False, stream_interval=4):
     import httpx
     import uvicorn
 
@@ -60,7 +72,7 @@ def _run_serve(built, model_name, prompts, max_tokens, concurrency, seeds):
     from specadapt.serve.scheduler import Scheduler
     metrics = ServerMetrics(built.engine)
     state = ServerState(Scheduler(built.engine, concurrency, len(prompts), metrics), built.target.tokenizer,
-                        model_name, built.target.context_length, built.target.vocab_size, metrics)
+                        model_name, built.target.context_length, built.target.vocab_size, metrics, stream_interval)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -86,8 +98,12 @@ def _run_serve(built, model_name, prompts, max_tokens, concurrency, seeds):
                         return
                     i = todo.pop(0)
                 t0 = time.perf_counter()
-                reply = http.post(url + "/v1/completions", json={
-                    "prompt": prompts[i], "max_tokens": max_tokens, "seed": seeds[i], "return_token_ids": True})
+                body = {"prompt": prompts[i], "max_tokens": max_tokens, "seed": seeds[i], "return_token_ids": True}
+                if stream:
+                    outputs[i] = _stream_completion(http, url, body)
+                    latencies[i] = time.perf_counter() - t0
+                    continue
+                reply = http.post(url + "/v1/completions", json=body)
                 latencies[i] = time.perf_counter() - t0
                 reply.raise_for_status()
                 outputs[i] = reply.json()["choices"][0]["token_ids"]
@@ -129,6 +145,8 @@ def main() -> int:
                     help="requests per cell at the longest --max-tokens below concurrency 16 (time)")
     ap.add_argument("--dataset", default="math500")
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--stream", action="store_true", help="the server's requests stream (server-sent events)")
+    ap.add_argument("--stream-interval", type=int, default=4, help="the server's --stream-interval (tokens)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None)
     args = ap.parse_args()
@@ -156,9 +174,10 @@ def main() -> int:
                 n = max(n, c)
                 seeds = list(range(n))
                 g_out, g_lat, g_wall = _run_generate(built.engine, prompts[:n], max_tokens, c, seeds)
-                s_out, s_lat, s_wall = _run_serve(built, eargs.model, prompts[:n], max_tokens, c, seeds)
+                s_out, s_lat, s_wall = _run_serve(built, eargs.model, prompts[:n], max_tokens, c, seeds, args.stream,
+                                                  args.stream_interval)
                 g = _row("generate", draft, max_tokens, c, g_out, g_lat, g_wall)
-                s = _row("serve", draft, max_tokens, c, s_out, s_lat, s_wall)
+                s = _row("serve-stream" if args.stream else "serve", draft, max_tokens, c, s_out, s_lat, s_wall)
                 s["serve_over_generate"] = s["tok_per_s"] / g["tok_per_s"]
                 s["identical_outputs"] = g_out == s_out
                 if g_out != s_out:
@@ -170,14 +189,17 @@ def main() -> int:
                       f"| ratio {s['serve_over_generate']:.2f} | same text {s['identical_outputs']} "
                       f"| mean out {g['mean_output_tokens']:.0f}", flush=True)
         built.close()
-    report = {"machine": machine, "dataset": args.dataset, "temperature": args.temperature, "rows": rows,
+    report = {"machine": machine, "dataset": args.dataset, "temperature": args.temperature, "stream": args.stream,
+              "stream_interval": args.stream_interval,
+              "rows": rows,
               "mismatches": mismatches}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     if args.markdown:
         lines = [f"Machine: {machine['name']}, {machine['threads']} threads, copy {machine['copy_gbps']:.1f} GB/s, "
-                 f"fp32 GEMM {machine['gemm_fp32_gflops']:.0f} GFLOP/s; {args.dataset}, T = {args.temperature}.",
+                 f"fp32 GEMM {machine['gemm_fp32_gflops']:.0f} GFLOP/s; {args.dataset}, T = {args.temperature}"
+                 f"{f'; the server streams, a chunk every {args.stream_interval} tokens' if args.stream else ''}.",
                  "", "| draft | max tokens | C | requests | mean out | generate tok/s | serve tok/s | serve/generate "
                  "| generate p50 / p90 s | serve p50 / p90 s | same text |", "|" + "---|" * 11]
         for g, s in zip(rows[::2], rows[1::2]):

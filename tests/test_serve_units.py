@@ -132,3 +132,19 @@ def test_bad_serve_flags_are_one_line_exit_2(capsys, argv, flag):
     err = capsys.readouterr().err
     lines = [line for line in err.strip().splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and flag in lines[0], err
+
+
+@pytest.mark.parametrize("interval", [1, 5])
+def test_a_streamed_job_gets_an_event_every_stream_interval_tokens(engine, interval):
+    sched = Scheduler(engine, max_batch_size=2, max_queue=0)
+    events, done = [], threading.Event()
+    job = _job([1, 2, 3], 23, events, done)
+    job.stream_interval = interval
+    sched.start()
+    sched.submit(job)
+    assert done.wait(30)
+    sched.stop()
+    sizes = [len(e.tokens) for e in events]
+    assert sum(sizes) == 23 and events[-1].finished and not any(e.finished for e in events[:-1])
+    assert all(n >= interval for n in sizes[:-1])  # target-only: one token a round, so exactly the interval
+    assert len(events) == (23 if interval == 1 else 5)

@@ -17,7 +17,8 @@ from .engine_args import _silence_gguf_progress, add_engine_arguments, build_eng
 
 logger = logging.getLogger(__name__)
 
-SERVE_DEFAULTS = dict(host="127.0.0.1", port=8000, max_batch_size=8, max_queue=64, shutdown_timeout=30.0)
+SERVE_DEFAULTS = dict(host="127.0.0.1", port=8000, max_batch_size=8, max_queue=64, shutdown_timeout=30.0,
+                      stream_interval=4)
 
 
 def add_parser(sub) -> None:
@@ -36,6 +37,9 @@ def add_parser(sub) -> None:
                      help="requests decoded together at most; others wait in the queue")
     srv.add_argument("--max-queue", type=int, default=d["max_queue"],
                      help="requests waiting for a place at most; beyond, requests get HTTP 503")
+    srv.add_argument("--stream-interval", type=int, default=d["stream_interval"],
+                     help="tokens between the chunks of a streamed response (1: a chunk every round; larger costs "
+                          "less CPU beside decoding, docs/serve.md)")
     srv.add_argument("--served-model-name", default=None,
                      help="the model id of /v1/models and of requests' 'model' (default: the --model value)")
     srv.add_argument("--shutdown-timeout", type=float, default=d["shutdown_timeout"],
@@ -57,6 +61,8 @@ def validate(args) -> None:
         raise UsageError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must lie in [0, 65535], got {args.port}")
+    if args.stream_interval < 1:
+        raise UsageError(f"--stream-interval must be >= 1, got {args.stream_interval}")
     if args.shutdown_timeout < 0:
         raise UsageError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.tts and args.tts_scope == "request" and args.tts_params != "lora":
@@ -84,7 +90,7 @@ def build_server(args, start_engine: bool = True):
     state = ServerState(scheduler=scheduler, tokenizer=built.target.tokenizer,
                         model_name=args.served_model_name or args.model,
                         context_length=built.target.context_length or 2**31, vocab_size=built.target.vocab_size,
-                        metrics=metrics)
+                        metrics=metrics, stream_interval=args.stream_interval)
     return create_app(state, start_engine, on_shutdown=built.close), state, built
 
 

@@ -50,6 +50,7 @@ class ServerState:
         context_length: the target's context window in tokens.
         vocab_size: the target's vocabulary size (token ids are checked against it).
         metrics: the :class:`ServerMetrics`.
+        stream_interval: tokens between the chunks of a streamed response (``--stream-interval``).
     """
 
     scheduler: Scheduler
@@ -58,6 +59,7 @@ class ServerState:
     context_length: int
     vocab_size: int
     metrics: ServerMetrics
+    stream_interval: int = 1
 
     @property
     def engine(self):
@@ -256,7 +258,8 @@ def _build_job(state: ServerState, body, prompt: list[int], sink) -> Job:
     seed = secrets.randbits(63) if body.seed is None else body.seed
     return Job(prompt=prompt, max_tokens=max_tokens, sink=sink, seed=seed, sampling=sampling,
                stop_token_ids=frozenset(stop_ids), stop=stop, ignore_eos=body.ignore_eos or None,
-               speculate=body.speculate, tokenizer=state.tokenizer, stream=body.stream)
+               speculate=body.speculate, tokenizer=state.tokenizer, stream=body.stream,
+               stream_interval=state.stream_interval)
 
 
 # ---- responses ---------------------------------------------------------------------------------------------------

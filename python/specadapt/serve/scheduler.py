@@ -82,7 +82,9 @@ class Job:
         sink: called on the engine thread with the request's :class:`JobEvent` s: one per round with ``stream``,
             else only the last (the caller reads the output from the job).
         tokenizer: decodes the output (``None``: events carry no text and ``stop`` must be empty).
-        stream: hand an event to ``sink`` every round (streaming responses), not only when the request ends.
+        stream: hand events to ``sink`` while the request runs (streaming responses), not only when it ends.
+        stream_interval: with ``stream``, an event once at least this many tokens arrived since the last one (the
+            last event always comes at the end).
     """
 
     prompt: list[int]
@@ -96,6 +98,7 @@ class Job:
     speculate: bool = True
     tokenizer: object = None
     stream: bool = True
+    stream_interval: int = 1
     # filled while it runs
     output_ids: list[int] = field(default_factory=list)
     rounds: list = field(default_factory=list)  # RoundRecord of each round
@@ -105,6 +108,7 @@ class Job:
     first_token_time: float | None = None
     finished_time: float | None = None
     cancel_requested: bool = False
+    _unsent: list = field(default_factory=list)  # tokens not handed out yet (stream_interval)
 
     def __post_init__(self) -> None:
         if self.stop and self.tokenizer is None:
@@ -332,12 +336,15 @@ class Scheduler:
         job.output_ids.extend(tokens)
         if self.metrics is not None and tokens:
             self.metrics.tokens(len(tokens))
+        job._unsent += tokens
         if finish_reason is None:
-            if job.stream:
-                job.sink(JobEvent(tokens, job.detok.take_delta() if job.detok is not None else ""))
+            if job.stream and len(job._unsent) >= job.stream_interval:
+                job.sink(JobEvent(job._unsent, job.detok.take_delta() if job.detok is not None else ""))
+                job._unsent = []
             return
         with self._cv:
             self._running.pop(id(job.engine_request), None)
+        tokens, job._unsent = job._unsent, []
         self._finish(job, finish_reason, tokens)
 
     def _finish(self, job: Job, reason: str, tokens: list[int] | None = None, error: str | None = None) -> None:
