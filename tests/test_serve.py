@@ -359,3 +359,28 @@ def test_tts_and_adaptive_verification_through_the_server_keep_greedy_output(tin
             assert m[counter] > 0
     finally:
         srv.close()
+
+
+MORE_BAD = [
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}, "messages.0.content",
+     "text only"),
+    ({"messages": [{"role": "user", "content": "a", "name": "bob"}]}, "messages.name", "names"),
+    ({"messages": [{"role": "user", "content": "a"}], "max_tokens": 4, "max_completion_tokens": 8},
+     "max_completion_tokens", "differ"),
+    ({"messages": [{"role": "user", "content": "a"}], "stream_options": {"include_usage": True}}, "stream_options",
+     "stream: true"),
+]
+
+
+@pytest.mark.parametrize("body,param,words", MORE_BAD)
+def test_chat_fields_that_would_change_the_output_unseen_are_refused(server, body, param, words):
+    resp = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param and words in error["message"]
+
+
+def test_a_nested_prompt_list_is_refused_with_a_readable_message(server):
+    resp = _complete(server.url, {"prompt": [[1, 2], [3]]})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt"
+    assert "one prompt per request" in resp.json()["error"]["message"]

@@ -5,6 +5,7 @@ drain deadline and refusal after shutdown."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -97,21 +98,32 @@ def test_the_queue_bound_counts_waiting_beyond_the_batch(engine):
 
 
 def test_drain_lets_requests_run_until_the_deadline_then_ends_them_with_an_error(engine):
-    sched = Scheduler(engine, max_batch_size=2, max_queue=4)
+    """Rounds are slowed to >= 50 ms so the timing is deterministic: after drain(2 s) a request needing 10 more
+    rounds (~0.5 s) finishes normally, one needing ~400 (~20 s) ends with the shutdown error, new ones are refused."""
+    step = engine.step
+
+    def slow_step():
+        time.sleep(0.05)
+        return step()
+
+    engine.step = slow_step
+    sched = Scheduler(engine, max_batch_size=3, max_queue=4)
     sched.start()
-    short_events, long_events = [], []
-    short_done, long_done = threading.Event(), threading.Event()
-    sched.submit(_job([1, 2, 3], 5, short_events, short_done))
-    sched.submit(_job([4, 5], 100_000, long_events, long_done))
-    assert short_done.wait(30)
-    sched.drain(0.3)
+    events = {name: [] for name in ("short", "middle", "long")}
+    done = {name: threading.Event() for name in events}
+    sched.submit(_job([1, 2, 3], 5, events["short"], done["short"]))
+    sched.submit(_job([6, 7], 15, events["middle"], done["middle"]))
+    sched.submit(_job([4, 5], 400, events["long"], done["long"]))  # prompt + output within the 512 positions
+    assert done["short"].wait(30)
+    sched.drain(2.0)
     with pytest.raises(ShuttingDownError):
         sched.submit(_job([1], 3, []))
-    assert long_done.wait(30)
-    assert short_events[-1].finish_reason == "length" and sum(len(e.tokens) for e in short_events) == 5
-    last = long_events[-1]
+    assert done["middle"].wait(30) and done["long"].wait(30)
+    assert events["short"][-1].finish_reason == "length" and sum(len(e.tokens) for e in events["short"]) == 5
+    assert events["middle"][-1].finish_reason == "length" and sum(len(e.tokens) for e in events["middle"]) == 15
+    last = events["long"][-1]
     assert last.finish_reason == "error" and "shut down" in last.error
-    assert 0 < sum(len(e.tokens) for e in long_events) < 100_000
+    assert 0 < sum(len(e.tokens) for e in events["long"]) < 400
     sched.stop()
     assert sched.idle
 
@@ -148,3 +160,25 @@ def test_a_streamed_job_gets_an_event_every_stream_interval_tokens(engine, inter
     assert sum(sizes) == 23 and events[-1].finished and not any(e.finished for e in events[:-1])
     assert all(n >= interval for n in sizes[:-1])  # target-only: one token a round, so exactly the interval
     assert len(events) == (23 if interval == 1 else 5)
+
+
+def test_bad_draft_and_address_fail_before_the_model_loads(capsys):
+    import socket
+    import time as clock
+
+    from specadapt.cli import main
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for argv, flag in ((["--draft", "bogus"], "--draft"), (["--host", "999.1.1.1"], "--host"),
+                           (["--port", str(port)], "--port"), (["--served-model-name", " "], "--served-model-name")):
+            start = clock.perf_counter()
+            try:
+                code = main(["serve", "--no-progress", *argv])
+            except SystemExit as exc:
+                code = exc.code
+            err = capsys.readouterr().err
+            assert code == 2 and flag in err and "Traceback" not in err, err
+            assert clock.perf_counter() - start < 5  # no model was loaded

@@ -170,6 +170,12 @@ def validate_engine_args(args) -> None:
         draft_kind, _ = parse_draft_spec(args.draft)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if draft_kind == "model":
+        import os
+
+        if not os.path.exists(args.draft):
+            raise UsageError(f"--draft: {args.draft!r} is neither none, ngram, eagle, eagle:PATH, self:N nor an "
+                             "existing model directory or .gguf file")
     if args.verify == "gbv" and draft_kind == "ngram":
         raise UsageError("--verify gbv needs a sampled draft (eagle, self:N or a model path): the ngram draft "
                          "proposes one deterministic path")

@@ -41,7 +41,10 @@ def add_parser(sub) -> None:
                      help="tokens between the chunks of a streamed response (1: a chunk every round; larger costs "
                           "less CPU beside decoding, docs/serve.md)")
     srv.add_argument("--served-model-name", default=None,
-                     help="the model id of /v1/models and of requests' 'model' (default: the --model value)")
+                     help="the model id of /v1/models and of requests' 'model'; None: the --model value")
+    srv.add_argument("--default-max-tokens", type=int, default=None,
+                     help="max_tokens of requests that do not set it; None: the rest of the model's context (as "
+                          "OpenAI / vLLM), which on a CPU can mean minutes for one forgotten request")
     srv.add_argument("--shutdown-timeout", type=float, default=d["shutdown_timeout"],
                      help="seconds in-flight requests may run after SIGTERM / Ctrl-C before they end with an error")
     p.add_argument("--no-progress", action="store_true", help="no progress bars while loading")
@@ -61,12 +64,37 @@ def validate(args) -> None:
         raise UsageError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must lie in [0, 65535], got {args.port}")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise UsageError("--served-model-name must not be empty")
+    if args.default_max_tokens is not None and args.default_max_tokens < 1:
+        raise UsageError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
     if args.stream_interval < 1:
         raise UsageError(f"--stream-interval must be >= 1, got {args.stream_interval}")
     if args.shutdown_timeout < 0:
         raise UsageError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.tts and args.tts_scope == "request" and args.tts_params != "lora":
         raise UsageError("--tts-scope request needs --tts-params lora")
+
+
+def check_address(host: str, port: int) -> None:
+    """Bind ``host:port`` once before the model loads, so a bad address fails at once (one line, exit 2).
+
+    Raises:
+        UsageError: the address cannot be resolved or bound.
+    """
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise UsageError(f"--host: cannot resolve {host!r}: {exc}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            raise UsageError(f"--host / --port: cannot listen on {host}:{port}: {exc.strerror}") from None
 
 
 def build_server(args, start_engine: bool = True):
@@ -90,7 +118,8 @@ def build_server(args, start_engine: bool = True):
     state = ServerState(scheduler=scheduler, tokenizer=built.target.tokenizer,
                         model_name=args.served_model_name or args.model,
                         context_length=built.target.context_length or 2**31, vocab_size=built.target.vocab_size,
-                        metrics=metrics, stream_interval=args.stream_interval)
+                        metrics=metrics, stream_interval=args.stream_interval,
+                        default_max_tokens=args.default_max_tokens)
     return create_app(state, start_engine, on_shutdown=built.close), state, built
 
 
@@ -101,6 +130,7 @@ def run(args) -> int:
     import uvicorn
 
     validate(args)
+    check_address(args.host, args.port)
     if args.no_progress:
         from transformers.utils import logging as hf_logging
 
@@ -121,7 +151,7 @@ def run(args) -> int:
         built.close()
         raise UsageError(f"--host / --port: cannot serve on {args.host}:{args.port} (see the log above)")
     port = server.servers[0].sockets[0].getsockname()[1] if server.servers else args.port
-    print(f"specadapt serve: http://{args.host}:{port}/v1 -- {args.model} ({target.forward_name} forward, "
+    print(f"specadapt serve: http://{args.host}:{port}/v1 -- {state.model_name} ({target.forward_name} forward, "
           f"{target.weight_format}), draft {args.draft}, verify {args.verify}, L = {args.num_draft_tokens}, "
           f"max batch {args.max_batch_size}, queue {args.max_queue}", flush=True)
 

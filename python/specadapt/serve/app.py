@@ -18,12 +18,12 @@ import secrets
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from ..engine.metrics import acceptance_length
 from ..sampling import SamplingParams
@@ -51,6 +51,8 @@ class ServerState:
         vocab_size: the target's vocabulary size (token ids are checked against it).
         metrics: the :class:`ServerMetrics`.
         stream_interval: tokens between the chunks of a streamed response (``--stream-interval``).
+        default_max_tokens: ``max_tokens`` of requests that leave it out (``None``: the rest of the context).
+        created: when the server started (Unix seconds, ``/v1/models``).
     """
 
     scheduler: Scheduler
@@ -60,6 +62,8 @@ class ServerState:
     vocab_size: int
     metrics: ServerMetrics
     stream_interval: int = 1
+    default_max_tokens: int | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def engine(self):
@@ -96,7 +100,7 @@ def create_app(state: ServerState, start_engine: bool = True, on_shutdown=None) 
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
                                             "owned_by": "specadapt", "max_model_len": state.context_length}]}
 
     @app.get("/metrics")
@@ -133,10 +137,35 @@ async def _parse(raw: HTTPRequest, model, state: ServerState):
     except ValidationError as exc:
         state.metrics.reject("invalid")
         err = exc.errors()[0]
-        param = ".".join(str(p) for p in err["loc"])
+        # pydantic names the union member it tried ("str", "list[int]", "TextPart"...): keep the field path only
         if err["type"] == "extra_forbidden":
+            param = ".".join(str(p) for p in err["loc"])
             raise APIError(400, f"unknown field {param!r} (not supported by this server)", param) from None
-        raise APIError(400, f"{param}: {err['msg']}", param) from None
+        path = [p for p in err["loc"] if isinstance(p, int) or p in _FIELD_NAMES]
+        param = ".".join(str(p) for p in path)
+        names = [p for p in path if isinstance(p, str)]
+        hint = _FIELD_HINTS.get(names[-1]) if names else None
+        raise APIError(400, f"{param}: {hint or err['msg']}", param) from None
+
+
+def _field_names(*models) -> set[str]:
+    names = set()
+    for m in models:
+        for name, info in m.model_fields.items():
+            names.add(name)
+            for arg in getattr(info.annotation, "__args__", ()) or ():
+                for inner in getattr(arg, "__args__", ()) or (arg,):
+                    if isinstance(inner, type) and issubclass(inner, BaseModel):
+                        names |= _field_names(inner)
+    return names
+
+
+_FIELD_NAMES = _field_names(ChatCompletionRequest, CompletionRequest)
+_FIELD_HINTS = {
+    "prompt": "must be a string or a list of token ids (one prompt per request)",
+    "content": "must be a string or a list of {\"type\": \"text\", \"text\": ...} parts (text only)",
+    "stop": "must be a string or a list of strings",
+}
 
 
 def _message_text(content) -> str:
@@ -169,6 +198,14 @@ def _completion_prompt(state: ServerState, body: CompletionRequest) -> list[int]
 
 
 def _refuse_unsupported(body) -> None:
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options: only allowed with stream: true", "stream_options")
+    if isinstance(body, ChatCompletionRequest) and any(m.name for m in body.messages):
+        raise APIError(400, "messages.name: participant names are not supported (the chat template has no place "
+                            "for them)", "messages.name")
+    if (getattr(body, "max_completion_tokens", None) is not None and body.max_tokens is not None
+            and body.max_completion_tokens != body.max_tokens):
+        raise APIError(400, "max_tokens and max_completion_tokens differ: set one", "max_completion_tokens")
     if body.n not in (None, 1):
         raise APIError(400, "n: only n = 1 is supported", "n")
     if body.logprobs:
@@ -235,7 +272,7 @@ def _build_job(state: ServerState, body, prompt: list[int], sink) -> Job:
     if max_tokens is None and getattr(body, "max_completion_tokens", None) is not None:
         name, max_tokens = "max_completion_tokens", body.max_completion_tokens
     if max_tokens is None:
-        max_tokens = room
+        max_tokens = room if state.default_max_tokens is None else min(room, state.default_max_tokens)
     if max_tokens < 1:
         raise APIError(400, f"{name} must be >= 1, got {max_tokens}", name)
     if max_tokens > room:
@@ -371,7 +408,11 @@ async def _stream(state: ServerState, body, job: Job, events: asyncio.Queue, rid
             if event.finished and event.finish_reason == "error":
                 if event.text:
                     yield _sse(chunk(event.text))
-                yield _sse(error_body(f"the request failed: {event.error}", "server_error", None, 500))
+                if not state.scheduler.accepting:  # ended by the shutdown
+                    yield _sse(error_body(f"the request did not finish: {event.error}", "server_unavailable", None,
+                                          503))
+                else:
+                    yield _sse(error_body(f"the request failed: {event.error}", "server_error", None, 500))
                 break
             if event.text:
                 yield _sse(chunk(event.text))
