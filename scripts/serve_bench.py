@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import threading
 import time
@@ -65,27 +64,15 @@ def _stream_completion(http, url: str, body: dict) -> list[int]:
 
 def _run_serve(built, model_name, prompts, max_tokens, concurrency, seeds, stream=False, stream_interval=4):
     import httpx
-    import uvicorn
 
-    from specadapt.serve.app import ServerState, create_app
+    from specadapt.serve.app import ServerState, create_app, start_http_thread
     from specadapt.serve.metrics import ServerMetrics
     from specadapt.serve.scheduler import Scheduler
     metrics = ServerMetrics(built.engine)
     state = ServerState(Scheduler(built.engine, concurrency, len(prompts), metrics), built.target.tokenizer,
                         model_name, built.target.context_length, built.target.vocab_size, metrics, stream_interval)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(state, start_engine=False), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
+    server, thread, port = start_http_thread(create_app(state, start_engine=False), "127.0.0.1", 0)
     url = f"http://127.0.0.1:{port}"
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
     outputs, latencies = [None] * len(prompts), [0.0] * len(prompts)
     todo = list(range(len(prompts)))
     lock = threading.Lock()

@@ -4,13 +4,13 @@ exactly as the command builds it, and target-only greedy decoding to compare its
 from __future__ import annotations
 
 import socket
-import threading
 import time
 
 import httpx
 
 from specadapt.cli import build_parser
 from specadapt.cli.serve import build_server, validate
+from specadapt.serve.app import start_http_thread
 from specadapt.engine import NoDraft, SpeculativeEngine
 from specadapt.sampling import SamplingParams
 
@@ -31,25 +31,11 @@ class RunningServer:
     """
 
     def __init__(self, argv: list[str]) -> None:
-        import uvicorn
-
-        port = free_port()
-        args = build_parser().parse_args(["serve", "--port", str(port), "--no-progress"] + argv)
+        args = build_parser().parse_args(["serve", "--port", "0", "--no-progress"] + argv)
         validate(args)
-        self.app, self.state, self.built = build_server(args)
+        self.app, self.state, self.built = build_server(args)  # its lifespan runs the engine loop on a thread
+        self.server, self.thread, port = start_http_thread(self.app, "127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError("the server did not start within 60 s")
 
     def metrics(self) -> dict[str, float]:
         """``/metrics`` samples as ``{name{labels}: value}`` (the exposition's own text before the value)."""

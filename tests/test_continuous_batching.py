@@ -192,6 +192,8 @@ def test_bad_requests_are_refused_by_name():
         engine.join([Request([1, 2], -1)])
     with pytest.raises(ValueError, match="penalties"):
         engine.join([Request([1, 2], 4, sampling=SamplingParams(1.0, frequency_penalty=0.5))])
+    with pytest.raises(ValueError, match="max_new_tokens: a prompt of 2 tokens and 600 new tokens exceed"):
+        engine.join([Request([1, 2], 600)])  # the tiny model has 512 positions
     zero = Request([1, 2], 0)
     engine.join([zero])
     assert engine.num_active == 0 and zero.result.output_ids == [] and zero.result.finish_reason == "length"
@@ -224,3 +226,12 @@ def test_per_request_tts_slots_follow_joins_and_keep_greedy_output():
     assert [r.result.output_ids for r in requests] == [target_only_greedy(target, p, n) for p in prompts]
     assert tts.stats.updates > 0
     tts.close()
+
+
+def test_draft_settings_that_do_not_lay_out_the_rows_are_refused():
+    draft = NgramDraft()
+    draft.sampling = SAMPLED
+    draft.row_sampling = [SAMPLED, GREEDY]
+    assert draft.sampling_for_rows(4) == [SAMPLED, SAMPLED, GREEDY, GREEDY]  # 2 requests x 2 paths
+    with pytest.raises(ValueError, match="3 rows of logits"):
+        draft.sampling_for_rows(3)

@@ -67,3 +67,27 @@ def test_temperature_at_the_threshold_samples():
     assert not params.greedy
     probs = logits_to_probs(torch.tensor([[1.0, 1.0 + 1e-6, -2.0]]), params)
     assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(1))
+
+
+def test_per_row_settings_give_each_row_exactly_its_own_transform():
+    """logits_to_probs_rows (continuous batching): every row equals logits_to_probs of that row alone with its
+    settings, bit for bit, with shared penalties (per-row histories) and a reduced vocabulary; a settings list of
+    the wrong length is refused."""
+    from specadapt.sampling import TokenCounts, logits_to_probs_rows
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, 3, 40) * 3
+    pen = dict(repetition_penalty=1.3, frequency_penalty=0.4)
+    params = [SamplingParams(1.0, 0.9, **pen), SamplingParams(0.0, **pen), SamplingParams(1.0, 0.9, **pen),
+              SamplingParams(1.5, 1.0, 5, min_p=0.1, **pen), SamplingParams(0.7, 0.5, **pen)]
+    history = TokenCounts.from_sequences([[1, 2, 2, 7], [3], [5, 5, 5, 6, 1], [9, 8], [0, 0]], [2, 1, 1, 2, 1], 40)
+    history = history[torch.arange(5)[:, None].expand(5, 3)]  # the same counts at every slot of a row
+    for vocab_ids in (None, torch.arange(0, 40, 2)):
+        rows = logits if vocab_ids is None else logits[..., vocab_ids]
+        got = logits_to_probs_rows(rows, params, history, vocab_ids=vocab_ids)
+        for r, p in enumerate(params):
+            alone = logits_to_probs(rows[r:r + 1], p, history[r:r + 1], vocab_ids=vocab_ids)
+            assert torch.equal(got[r:r + 1], alone), r
+    assert torch.equal(logits_to_probs_rows(logits, params[0], history), logits_to_probs(logits, params[0], history))
+    with pytest.raises(ValueError, match="4 settings for 5 rows"):
+        logits_to_probs_rows(logits, params[:4], history)

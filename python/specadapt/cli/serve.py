@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import time
 
 from .common import UsageError
 from .engine_args import _silence_gguf_progress, add_engine_arguments, build_engine, validate_engine_args
@@ -125,9 +124,8 @@ def build_server(args, start_engine: bool = True):
 
 def run(args) -> int:
     import signal
-    import threading
 
-    import uvicorn
+    from ..serve.app import start_http_thread
 
     validate(args)
     check_address(args.host, args.port)
@@ -138,19 +136,14 @@ def run(args) -> int:
         _silence_gguf_progress()
     app, state, built = build_server(args, start_engine=False)
     target, scheduler = built.target, state.scheduler
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                            timeout_graceful_shutdown=args.shutdown_timeout + 5)
-    server = uvicorn.Server(config)
     # The engine loop runs here, on the thread that loaded and warmed up the model (see specadapt.serve.scheduler:
     # torch kernels on a second thread ran 3x slower); the HTTP server runs on a thread of its own.
-    web = threading.Thread(target=server.run, name="specadapt-http", daemon=True)
-    web.start()
-    while not server.started and web.is_alive():
-        time.sleep(0.05)
-    if not web.is_alive():
+    try:
+        server, web, port = start_http_thread(app, args.host, args.port, log_level="info",
+                                              timeout_graceful_shutdown=args.shutdown_timeout + 5)
+    except RuntimeError:
         built.close()
-        raise UsageError(f"--host / --port: cannot serve on {args.host}:{args.port} (see the log above)")
-    port = server.servers[0].sockets[0].getsockname()[1] if server.servers else args.port
+        raise UsageError(f"--host / --port: cannot serve on {args.host}:{args.port} (see the log above)") from None
     print(f"specadapt serve: http://{args.host}:{port}/v1 -- {state.model_name} ({target.forward_name} forward, "
           f"{target.weight_format}), draft {args.draft}, verify {args.verify}, L = {args.num_draft_tokens}, "
           f"max batch {args.max_batch_size}, queue {args.max_queue}", flush=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..sampling import SamplingParams, logits_to_probs, logits_to_probs_rows, sample_from_probs
+from ..sampling import SamplingParams, logits_to_probs_rows, sample_from_probs
 from . import coins as coins_mod
 from .coins import request_coins
 from .kv import RaggedKVCache
@@ -142,7 +142,9 @@ class Draft:
             return self.sampling
         if rows == len(per_request):
             return per_request
-        repeats = rows // max(len(per_request), 1)
+        if not per_request or rows % len(per_request):
+            raise ValueError(f"{rows} rows of logits do not lay out {len(per_request)} requests' settings")
+        repeats = rows // len(per_request)
         return [p for p in per_request for _ in range(repeats)]
 
 

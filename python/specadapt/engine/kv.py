@@ -359,6 +359,10 @@ class RaggedKVCache:
         self.valid = torch.arange(longest, device=self.device)[None, :] < self.lengths[:, None]
         self.num_compactions += 1
 
+    #: a batch whose rows all left cannot take new rows (its layers' tensors lose their shape): the engine starts
+    #: a new cache instead (the native SlotKVCache reuses its slots)
+    add_rows_reuses_slots = False
+
     def add_rows(self, count: int) -> None:
         """Append ``count`` empty rows (new requests of a running batch): every physical slot of a new row is a
         hole, so the existing rows are untouched.

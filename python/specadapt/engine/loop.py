@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from ..sampling import SamplingParams, TokenCounts, logits_to_probs, logits_to_probs_rows
+from ..sampling import SamplingParams, TokenCounts, logits_to_probs_rows
 from .. import kernels
 from . import coins
 from .coins import request_coins
@@ -282,14 +282,24 @@ class SpeculativeEngine:
         return len(self._rows)
 
     @property
-    def active_requests(self) -> list["Request"]:
-        return [row.request for row in self._rows]
+    def cache(self):
+        """The target's KV cache of the running batch (``None`` before the first :meth:`join`)."""
+        return self._kv
+
+    @property
+    def history_dependent(self) -> bool:
+        """The target's or the draft's sampling transform reads per-request token histories (penalties)."""
+        return self._track_history
 
     def _check_request(self, req: "Request") -> None:
         if len(req.prompt) == 0:
             raise ValueError("prompt is empty")
         if req.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {req.max_new_tokens}")
+        context = self.target.context_length
+        if context and len(req.prompt) + req.max_new_tokens > context:
+            raise ValueError(f"max_new_tokens: a prompt of {len(req.prompt)} tokens and {req.max_new_tokens} new "
+                             f"tokens exceed the model's context of {context} positions")
         if req.forced is not None and not isinstance(self.draft, NoDraft):
             raise ValueError("forced needs a target-only engine (NoDraft)")
         if req.sampling is not None:
@@ -400,7 +410,7 @@ class SpeculativeEngine:
     def _row_params(self, default: SamplingParams):
         """``default`` when no running request has its own settings, else one SamplingParams per row."""
         if all(row.request.sampling is None for row in self._rows):
-            return default if default is not self.sampling else self.sampling
+            return default
         return [row.request.sampling or default for row in self._rows]
 
     def step(self) -> list[tuple["Request", list[int], bool]]:
@@ -462,7 +472,7 @@ class SpeculativeEngine:
         if self._counts is not None:
             self._counts.append_(emitted_rows)
         self._keep_rows(keep)
-        if not self._rows and self._kv is not None and not hasattr(self._kv, "add_rows_reuses_slots"):
+        if not self._rows and self._kv is not None and not self._kv.add_rows_reuses_slots:
             self.close_batch()  # a transformers cache of 0 rows cannot take new rows' chunks: start afresh
         return events
 

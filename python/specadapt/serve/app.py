@@ -33,7 +33,7 @@ from .scheduler import Job, QueueFullError, Scheduler, ShuttingDownError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ServerState", "create_app"]
+__all__ = ["ServerState", "create_app", "start_http_thread"]
 
 #: seconds between checks that a non-streaming client is still connected
 _DISCONNECT_POLL = 0.5
@@ -120,6 +120,31 @@ def create_app(state: ServerState, start_engine: bool = True, on_shutdown=None) 
         return await _serve(raw, state, body, prompt, chat=False)
 
     return app
+
+
+def start_http_thread(app: FastAPI, host: str, port: int, log_level: str = "warning", **config):
+    """Run ``app`` under uvicorn on a thread of its own and wait until it listens (the engine loop keeps the
+    calling thread: see :mod:`specadapt.serve.scheduler`). ``port`` 0 takes a free port.
+
+    Returns:
+        ``(server, thread, port)``: stop with ``server.should_exit = True`` and ``thread.join()``.
+
+    Raises:
+        RuntimeError: uvicorn stopped before listening (an address it cannot bind; its log says why).
+    """
+    import threading
+
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, **config))
+    thread = threading.Thread(target=server.run, name="specadapt-http", daemon=True)
+    thread.start()
+    while not server.started and thread.is_alive():
+        time.sleep(0.02)
+    if not thread.is_alive():
+        raise RuntimeError(f"uvicorn could not serve on {host}:{port}")
+    bound = server.servers[0].sockets[0].getsockname()[1] if server.servers else port
+    return server, thread, bound
 
 
 # ---- request parsing -------------------------------------------------------------------------------------------

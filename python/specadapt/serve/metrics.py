@@ -131,7 +131,7 @@ class ServerMetrics:
         """Gauges of the batch: running / waiting requests and the target cache's rows and slots."""
         self.running.set(running)
         self.waiting.set(waiting)
-        kv = getattr(engine, "_kv", None)
+        kv = engine.cache
         self.cache_rows.set(0 if kv is None else int(kv.batch_size))
         if kv is not None and hasattr(kv, "free"):
             self.slots.set(kv.num_slots)

@@ -10,9 +10,9 @@ prompt, seed and settings only, not on when it joined or what else runs.
 Threads: HTTP handlers call :meth:`Scheduler.submit` / :meth:`Scheduler.cancel` from the event loop; the engine
 thread is the only one that touches the engine, and hands each request's events to its ``sink`` (a callable run on
 the engine thread, which the web layer forwards to its event loop). Run the engine loop on the thread that loaded
-and warmed up the model (:meth:`Scheduler.run`, as ``specadapt serve`` does on its main thread): on these CPUs a
-second thread running torch's OpenMP kernels beside the one that ran them first decoded 3x slower (64 against 192
-tokens/s target-only on SmolLM2-135M, 2 cores), while all torch work on one thread, whichever, ran at full speed.
+and warmed up the model (:meth:`Scheduler.run`, as ``specadapt serve`` does on its main thread): on these CPUs,
+target-only SmolLM2-135M at batch 1 on 2 cores decoded 74 tokens/s from a second thread against 227 on the thread
+that ran torch first (62 against 161 in another run), while all torch work on one non-main thread ran at 192.
 :meth:`Scheduler.start` (a thread of its own) is for tests and embedding.
 
 Failures: a request the engine refuses at ``join`` fails alone. If a round raises, the batch is rebuilt: every
@@ -237,14 +237,6 @@ class Scheduler:
         with self._cv:
             return not self._waiting and not self._running
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self._running)
-
     # ---- the engine thread ---------------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
@@ -377,7 +369,7 @@ class Scheduler:
         jobs = list(self._running.values())
         self._running.clear()
         self.engine.close_batch()
-        if getattr(self.engine, "_track_history", False):
+        if self.engine.history_dependent:
             for job in jobs:
                 self._finish(job, "error", error="the engine failed on this batch (with penalties the requests "
                                                  "cannot be resumed)")
