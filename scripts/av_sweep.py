@@ -1,15 +1,25 @@
 #!/usr/bin/env python
-"""Throughput sweep of adaptive verification: fixed L in {2, 3, 5, 7} vs adaptive verification with L = 7, at
-batch sizes 1, 4, 8, 16 (AIME 2024 prompts, temperature 1.0). Loads the target and draft once (in-process).
+"""Throughput sweep of adaptive verification against target-only decoding and every fixed draft length.
 
-    python scripts/av_sweep.py --draft eagle --batch-sizes 1 4 8 16 --max-new-tokens 256 --out results/av_sweep
+    python scripts/av_sweep.py --out results/av_sweep
 
-A target-only row (no draft) per batch size is the reference speculation has to beat (``--no-target-only``
-skips it). Per (batch size, setting): total tokens/s (all output tokens / wall time of the batch) and mean per-request
-tokens/s (each request's tokens / its own decode time); writes --out/sweep.json, --out/table.md and the Pareto
-plot --out/pareto.png (x: per-request tokens/s, y: total tokens/s, one panel per batch size). Each batch uses
-the first ``batch size`` prompts (cycled if the dataset is shorter), so every setting of one batch size decodes
-the same requests; the cost table is profiled once per batch size, as the engine does at start-up.
+Per dataset (default AIME 2024 and MATH-500 prompts) and batch size (default 1, 4, 8, 16, 32), T = 1.0, top-p
+0.95, the embedded default on the engine's default forward and format (native int4 here), the shipped EAGLE
+head: target-only, fixed L in {1, 2, 3, 5, 7}, and adaptive verification at L = 7 (with the default
+``--speculation auto``: a budget of 0 switches speculation off, probe rounds switch it back on). Each cell is a
+running batch kept full: a request ends at its natural EOS (or ``--max-new-tokens``) and the next prompt of the
+list joins in its place (continuous batching, prompts cycled with fresh seeds), until ``--cell-tokens x batch``
+tokens were emitted; tokens/s = emitted tokens / wall time (prefills of joining requests included). Every cell of
+one (dataset, batch) decodes the same prompt sequence with the same seeds. The cost table of adaptive
+verification is profiled once per batch size on the forward in use, as the engine does at start-up.
+
+Reports per cell: tokens/s, speedup over target-only, acceptance length (tokens per request-round), for AV the
+share of rounds with speculation off, probe rounds, and the cost model's error against the measured round times;
+per (dataset, batch) AV / max(target-only, best fixed L). Cells where that ratio is within ``--close-margin`` of 1
+are re-run ``--repeats-close`` times in total (AV and the reference) and reported as median and spread. A looping
+workload (``--loop-prompt`` at T = 0.6) shows AV switching speculation on where drafts pay. Writes
+``--out/sweep.json``, ``--out/table.md`` and ``--out/av_sweep.png`` (tokens/s vs batch size per setting).
+Run nothing else on the machine meanwhile: two torch processes on two cores slow each other about tenfold.
 """
 
 from __future__ import annotations
@@ -17,6 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,110 +41,205 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "python"))
 
+from specadapt.budget import CostTable  # noqa: E402
+from specadapt.cli.engine_args import _tokenize, load_target_and_draft  # noqa: E402
 from specadapt.datasets import load_prompts  # noqa: E402
-from specadapt.engine import NoDraft, SpeculativeEngine, build_draft, load_model  # noqa: E402
+from specadapt.engine import NoDraft, SpeculativeEngine  # noqa: E402
 from specadapt.engine.adaptive import AdaptiveVerification, profile_engine_costs  # noqa: E402
+from specadapt.engine.loop import Request  # noqa: E402
 from specadapt.estimator import AcceptanceEstimator  # noqa: E402
 from specadapt.sampling import SamplingParams  # noqa: E402
 
-
-def chat_ids(tokenizer, text):
-    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                              tokenize=True, return_dict=False))
+LOOP_PROMPT = ("Write the word 'apple' one hundred times, separated by commas, and nothing else.")
 
 
-def run_setting(target, draft, sampling, prompts, L, adaptive, max_new, seed, packed_forward=True):
-    engine = SpeculativeEngine(target, draft, sampling, L, "chain", seed=seed, adaptive=adaptive,
-                               packed_forward=packed_forward)
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def run_cell(engine, prompts, batch, budget_tokens, max_new, seed):
+    """Keep ``batch`` requests running (refill at EOS) until ``budget_tokens`` tokens were emitted."""
+    counter = 0
+
+    def fresh(count):
+        nonlocal counter
+        out = []
+        for _ in range(count):
+            out.append(Request(prompts[counter % len(prompts)], max_new, seed + counter))
+            counter += 1
+        return out
+
+    engine.open_batch()
     start = time.perf_counter()
-    results = engine.generate(prompts, max_new, batch_size=len(prompts))
+    engine.join(fresh(batch))
+    emitted = row_rounds = rounds = finished = 0
+    while emitted < budget_tokens:
+        events = engine.step()
+        rounds += 1
+        row_rounds += len(events)
+        emitted += sum(len(tokens) for _, tokens, _ in events)
+        done = sum(1 for _, _, d in events if d)
+        finished += done
+        if done:
+            engine.join(fresh(done))
     seconds = time.perf_counter() - start
-    tokens = sum(len(r.output_ids) for r in results)
-    per_request = [len(r.output_ids) / r.seconds for r in results if r.seconds > 0]
-    rounds = sum(len(r.rounds) for r in results)
-    out = {"total_tokens_per_s": tokens / seconds, "per_request_tokens_per_s": sum(per_request) / len(per_request),
-           "acceptance_length": tokens / max(rounds, 1), "tokens": tokens, "seconds": seconds}
-    if adaptive is not None:
-        out.update(pruned=adaptive.pruned, verified=adaptive.verified, refits=adaptive.estimator.refits)
-    return out
+    engine.close_batch()
+    return {"tokens": emitted, "seconds": seconds, "tokens_per_s": emitted / seconds, "rounds": rounds,
+            "acceptance_length": emitted / max(row_rounds, 1), "requests_finished": finished}
 
 
-def pareto_front(points):
-    """Indices of points not dominated in (per-request, total) tokens/s (both larger is better)."""
-    front = []
-    for i, (x, y) in enumerate(points):
-        if not any((x2 >= x and y2 >= y) and (x2 > x or y2 > y) for j, (x2, y2) in enumerate(points) if j != i):
-            front.append(i)
-    return front
+def av_over_reference(cells):
+    """(reference cell, AV / reference tokens/s): the reference is the fastest of every cell but the last (AV)."""
+    reference = max(cells[:-1], key=lambda c: c["tokens_per_s"])
+    return reference, cells[-1]["tokens_per_s"] / reference["tokens_per_s"]
 
 
-def front_gap(points, i):
-    """Smallest eps >= 0 such that point i scaled by (1 + eps) in both coordinates is dominated by no point
-    (0 on the Pareto front; "within 5% of the front" means eps <= 0.05)."""
-    x, y = points[i]
-    worst = max(min(x2 / x, y2 / y) for x2, y2 in points) if x > 0 and y > 0 else float("inf")
-    return max(0.0, worst - 1.0)
+def make_engine(target, draft, sampling, L, costs, refit, seed):
+    if L == 0:
+        return SpeculativeEngine(target, NoDraft(), sampling, 0, "chain", seed=seed), None
+    av = None
+    if costs is not None:
+        av = AdaptiveVerification(AcceptanceEstimator(L, refit_interval=refit), costs)
+    return SpeculativeEngine(target, draft, sampling, L, "chain", seed=seed, adaptive=av), av
+
+
+def measure(target, draft, sampling, name, L, costs, prompts, batch, args):
+    engine, av = make_engine(target, draft, sampling, L, costs, args.refit_interval, args.seed)
+    cell = run_cell(engine, prompts, batch, args.cell_tokens * batch, args.max_new_tokens, args.seed)
+    cell.update(setting=name, batch_size=batch)
+    if av is not None:
+        cell.update(rounds_off_share=av.rounds_off / max(av.rounds, 1), probe_rounds=av.probe_rounds,
+                    verified=av.verified, pruned=av.pruned, cost_model=av.cost_model_error())
+    return cell
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--draft", default="eagle")
-    ap.add_argument("--dataset", default="aime24")
-    ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 8, 16])
-    ap.add_argument("--fixed-l", nargs="+", type=int, default=[2, 3, 5, 7])
+    ap.add_argument("--datasets", nargs="+", default=["aime24", "math500"])
+    ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 8, 16, 32])
+    ap.add_argument("--fixed-l", nargs="+", type=int, default=[1, 2, 3, 5, 7])
     ap.add_argument("--adaptive-l", type=int, default=7)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--cell-tokens", type=int, default=384, help="tokens emitted per cell, per batch row")
+    ap.add_argument("--max-new-tokens", type=int, default=1024, help="cap of one request (most end at EOS)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-p", type=float, default=0.95)
-    ap.add_argument("--no-target-only", dest="target_only", action="store_false",
-                    help="skip the target-only row (no draft) of each batch size")
-    ap.add_argument("--refit-interval", type=int, default=20, help="estimator refit interval (decode steps)")
+    ap.add_argument("--refit-interval", type=int, default=20, help="estimator refit interval (rounds)")
+    ap.add_argument("--repeats-close", type=int, default=3, help="runs of AV and its reference in close cells")
+    ap.add_argument("--close-margin", type=float, default=0.05)
+    ap.add_argument("--loop-prompt", default=LOOP_PROMPT, help="the looping workload ('' skips it)")
+    ap.add_argument("--loop-temperature", type=float, default=0.6)
+    ap.add_argument("--loop-batch-sizes", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--forward", default="auto")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-packed-forward", dest="packed_forward", action="store_false",
-                    help="pad the target's ragged forwards (default: packed, pruned drafts cost no compute)")
     ap.add_argument("--out", default="results/av_sweep")
     args = ap.parse_args()
+    for flag in ("batch_sizes", "fixed_l"):
+        if min(getattr(args, flag)) < 1:
+            ap.error(f"--{flag.replace('_', '-')} values must be >= 1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
     sampling = SamplingParams(args.temperature, args.top_p)
-    target = load_model(args.model)
-    texts = [p.text for p in load_prompts(args.dataset)]
-    rows = []
-    settings = [(f"L={L}", L, False) for L in args.fixed_l] + [(f"adaptive L={args.adaptive_l}", args.adaptive_l, True)]
-    if args.target_only:
-        settings = [("target-only", 0, False)] + settings
-    bar = tqdm(total=len(args.batch_sizes) * len(settings), desc="sweep", unit="run")
+    target, draft = load_target_and_draft(args.model, args.draft, sampling, args.seed, args.dtype, "cpu",
+                                          forward=args.forward)
+    machine = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+               "forward": target.forward_name, "weights": target.weight_format}
+    print(f"machine: {machine}", flush=True)
+    settings = [("target-only", 0, False)] + [(f"L={L}", L, False) for L in args.fixed_l]
+    settings.append((f"AV L={args.adaptive_l}", args.adaptive_l, True))
+    rows, summary = [], []
+    total = len(args.datasets) * len(args.batch_sizes) * len(settings)
+    bar = tqdm(total=total, desc="sweep", unit="cell")
+    costs_by_batch: dict[int, CostTable] = {}
     for batch in args.batch_sizes:
-        prompts = [chat_ids(target.tokenizer, texts[i % len(texts)]) for i in range(batch)]
-        draft = build_draft(args.draft, target, sampling, args.seed)
-        costs = profile_engine_costs(target.model, getattr(draft, "model", None), (args.adaptive_l + 1) * batch,
-                                     batch, args.adaptive_l)
-        SpeculativeEngine(target, draft, sampling, 2, "chain").generate(prompts[:1], 4)  # warm-up
-        for name, L, adaptive in settings:
-            draft = NoDraft() if L == 0 else build_draft(args.draft, target, sampling, args.seed)
-            av = None
-            if adaptive:
-                av = AdaptiveVerification(AcceptanceEstimator(L, refit_interval=args.refit_interval), costs)
-            result = run_setting(target, draft, sampling, prompts, L, av, args.max_new_tokens, args.seed,
-                                 args.packed_forward)
-            rows.append({"batch_size": batch, "setting": name, **result})
-            bar.update(1)
-            bar.set_postfix(batch=batch, setting=name, tps=f"{result['total_tokens_per_s']:.1f}")
+        t0 = time.perf_counter()
+        costs_by_batch[batch] = profile_engine_costs(target, draft, (args.adaptive_l + 1) * batch, batch,
+                                                     args.adaptive_l)
+        print(f"batch {batch}: cost table profiled in {time.perf_counter() - t0:.1f} s "
+              f"(target 1 token {costs_by_batch[batch].verify_cost(1):.2f} ms, {batch} tokens "
+              f"{costs_by_batch[batch].verify_cost(batch):.2f} ms, {(args.adaptive_l + 1) * batch} tokens "
+              f"{costs_by_batch[batch].verify_cost((args.adaptive_l + 1) * batch):.2f} ms; draft round "
+              f"{costs_by_batch[batch].draft_cost(batch):.2f} ms)", flush=True)
+    for dataset in args.datasets:
+        prompts = [_tokenize(target.tokenizer, p.text) for p in load_prompts(dataset)]
+        for batch in args.batch_sizes:
+            warm = make_engine(target, draft, sampling, 2, None, args.refit_interval, args.seed)[0]
+            run_cell(warm, prompts, batch, 8 * batch, 16, args.seed + 10_000)  # warm-up, not timed
+            cells = []
+            for name, L, adaptive in settings:
+                cell = measure(target, draft, sampling, name, L, costs_by_batch[batch] if adaptive else None,
+                               prompts, batch, args)
+                cell["dataset"] = dataset
+                cells.append(cell)
+                bar.update(1)
+                bar.set_postfix(dataset=dataset, batch=batch, setting=name, tps=f"{cell['tokens_per_s']:.1f}")
+            base = cells[0]["tokens_per_s"]
+            for cell in cells:
+                cell["speedup"] = cell["tokens_per_s"] / base
+            reference, ratio = av_over_reference(cells)
+            av_cell = cells[-1]
+            entry = {"dataset": dataset, "batch_size": batch, "reference": reference["setting"],
+                     "av_over_reference": ratio, "rounds_off_share": av_cell["rounds_off_share"],
+                     "cost_model": av_cell["cost_model"]}
+            if abs(ratio - 1) <= args.close_margin and args.repeats_close > 1:
+                ratios = [ratio]
+                ref_spec = next(s for s in settings if s[0] == reference["setting"])
+                for _ in range(args.repeats_close - 1):
+                    ref = measure(target, draft, sampling, ref_spec[0], ref_spec[1], None, prompts, batch, args)
+                    again = measure(target, draft, sampling, av_cell["setting"], args.adaptive_l,
+                                    costs_by_batch[batch], prompts, batch, args)
+                    ratios.append(again["tokens_per_s"] / ref["tokens_per_s"])
+                entry.update(repeats=len(ratios), av_over_reference_runs=ratios,
+                             av_over_reference_median=statistics.median(ratios),
+                             spread=max(ratios) - min(ratios))
+            summary.append(entry)
+            rows.extend(cells)
     bar.close()
-    lines = ["| batch | setting | total tok/s | per-request tok/s | acc. length | on Pareto front | gap to front |",
-             "|---|---|---|---|---|---|---|"]
-    for batch in args.batch_sizes:
-        group = [r for r in rows if r["batch_size"] == batch]
-        points = [(r["per_request_tokens_per_s"], r["total_tokens_per_s"]) for r in group]
-        front = set(pareto_front(points))
-        for i, r in enumerate(group):
-            r["gap_to_front"] = front_gap(points, i)
-            lines.append(f"| {batch} | {r['setting']} | {r['total_tokens_per_s']:.1f} | {r['per_request_tokens_per_s']:.1f} | "
-                         f"{r['acceptance_length']:.2f} | {'yes' if i in front else ''} | {100 * r['gap_to_front']:.1f}% |")
-    (out / "sweep.json").write_text(json.dumps({"config": vars(args), "rows": rows}, indent=2))
+    loop_rows = []
+    if args.loop_prompt:
+        loop_sampling = SamplingParams(args.loop_temperature, args.top_p)
+        from specadapt.engine import build_draft
+
+        loop_draft = build_draft(args.draft, target, loop_sampling, args.seed)
+        prompt = [_tokenize(target.tokenizer, args.loop_prompt)]
+        for batch in args.loop_batch_sizes:
+            for name, L, adaptive in [settings[0], (f"L={args.adaptive_l}", args.adaptive_l, False), settings[-1]]:
+                if adaptive and batch not in costs_by_batch:
+                    continue
+                cell = measure(target, loop_draft, loop_sampling, name, L, costs_by_batch.get(batch) if adaptive else None,
+                               prompt, batch, args)
+                cell["dataset"] = "loop"
+                loop_rows.append(cell)
+    lines = [f"Machine: {machine['cpu']}, {machine['threads']} threads, torch {machine['torch']}, "
+             f"{machine['forward']} forward, {machine['weights']} weights.", "",
+             "| dataset | batch | setting | tok/s | speedup | acc. length | rounds off | cost model (measured / predicted) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows + loop_rows:
+        off = f"{100 * r['rounds_off_share']:.0f}% ({r['probe_rounds']} probes)" if "rounds_off_share" in r else ""
+        cm = f"{r['cost_model']['median_ratio']:.2f}" if "cost_model" in r else ""
+        speed = f"{r['speedup']:.2f}" if "speedup" in r else ""
+        lines.append(f"| {r['dataset']} | {r['batch_size']} | {r['setting']} | {r['tokens_per_s']:.1f} | {speed} | "
+                     f"{r['acceptance_length']:.2f} | {off} | {cm} |")
+    lines += ["", "| dataset | batch | reference (best of target-only, fixed L) | AV / reference | runs | rounds off |",
+              "|---|---|---|---|---|---|"]
+    for e in summary:
+        runs = (f"median {e['av_over_reference_median']:.3f}, spread {e['spread']:.3f} ({e['repeats']} runs)"
+                if "repeats" in e else "1")
+        lines.append(f"| {e['dataset']} | {e['batch_size']} | {e['reference']} | {e['av_over_reference']:.3f} | {runs} | "
+                     f"{100 * e['rounds_off_share']:.0f}% |")
     md = "\n".join(lines)
     (out / "table.md").write_text(md + "\n")
+    (out / "sweep.json").write_text(json.dumps({"config": vars(args), "machine": machine, "rows": rows,
+                                                "summary": summary, "loop": loop_rows}, indent=2))
     print(md)
     try:
         import matplotlib
@@ -140,20 +247,21 @@ def main() -> int:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, len(args.batch_sizes), figsize=(4 * len(args.batch_sizes), 3.6), squeeze=False)
-        for ax, batch in zip(axes[0], args.batch_sizes):
-            group = [r for r in rows if r["batch_size"] == batch]
-            for r in group:
-                marker = "*" if r["setting"].startswith("adaptive") else "o"
-                ax.scatter(r["per_request_tokens_per_s"], r["total_tokens_per_s"], marker=marker, s=80 if marker == "*" else 30)
-                ax.annotate(r["setting"], (r["per_request_tokens_per_s"], r["total_tokens_per_s"]), fontsize=7)
-            ax.set_title(f"batch {batch}")
-            ax.set_xlabel("per-request tok/s")
+        fig, axes = plt.subplots(1, len(args.datasets), figsize=(5.5 * len(args.datasets), 4), squeeze=False)
+        for ax, dataset in zip(axes[0], args.datasets):
+            for name, _, adaptive in settings:
+                pts = [(r["batch_size"], r["tokens_per_s"]) for r in rows if r["dataset"] == dataset and r["setting"] == name]
+                ax.plot(*zip(*pts), marker="*" if adaptive else "o", lw=2.5 if adaptive else 1, label=name,
+                        color="black" if name == "target-only" else None, ls="--" if name == "target-only" else "-")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("batch size")
+            ax.set_title(f"{dataset}, T = {args.temperature}, {machine['weights']} weights")
             ax.grid(alpha=0.3)
-        axes[0][0].set_ylabel("total tok/s")
+        axes[0][0].set_ylabel("total tokens/s")
+        axes[0][-1].legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(out / "pareto.png", dpi=110)
-        print(f"wrote {out / 'pareto.png'}")
+        fig.savefig(out / "av_sweep.png", dpi=110)
+        print(f"wrote {out / 'av_sweep.png'}")
     except ImportError:
         print("matplotlib not installed: no plot")
     return 0

@@ -60,8 +60,9 @@ def test_choose_budget_costs_the_draft_depth_with_early_stop():
 
 def test_cost_table_monotone_extrapolation_and_io(tmp_path):
     t = CostTable(target_ms=[5.0, 4.0, 7.0], draft_ms=[1.0, 3.0])
-    assert t.target_ms == [5.0, 5.0, 7.0]
-    assert t.verify_cost(5) == pytest.approx(7.0 + 1.0 * 2)
+    assert t.target_ms == [4.5, 4.5, 7.0]  # pooled, not a running maximum
+    assert CostTable(target_ms=[1.0, 9.0, 2.0, 3.0, 10.0], draft_ms=[1.0]).target_ms == [1.0, 14 / 3, 14 / 3, 14 / 3, 10.0]
+    assert t.verify_cost(5) == pytest.approx(7.0 + 1.25 * 2)  # slope of the pooled table
     path = tmp_path / "costs.json"
     t.save(path)
     assert CostTable.load(path).target_ms == t.target_ms
@@ -102,28 +103,48 @@ def test_adaptive_sampled_output_follows_the_target_law():
     prompt = [1, 2, 3, 1, 2]
     # a cost that rises steeply with tokens: B* prunes a real share of the drafts
     costs = CostTable(target_ms=[1.0 + 0.0005 * n * n for n in range(1, 20001)], draft_ms=[0.0])
-    av = AdaptiveVerification(AcceptanceEstimator(2, refit_interval=1), costs)
+    # speculation="on": B = 0 keeps drafting (with "auto" this cost turns speculation off after round 1;
+    # tests/test_speculation_off.py tests that mode's law)
+    av = AdaptiveVerification(AcceptanceEstimator(2, refit_interval=1), costs, speculation="on")
     draft = ModelDraft(self_draft(target, 1), params, 2, "self:1")
     n_req = 4000
-    results = SpeculativeEngine(target, draft, params, 2, "chain", seed=3, adaptive=av).generate(
+    results = SpeculativeEngine(target, draft, params, 2, "chain", seed=3, adaptive=av, speculation="on").generate(
         [prompt] * n_req, 3, batch_size=n_req, seeds=list(range(n_req)))
     assert av.pruned > 0 and av.verified > 0, "pruning must be active or the test proves nothing"
     assert_first_tokens_follow(results, _exact_joint(model, prompt, params, 2), n_req)
 
 
-def test_profile_engine_costs_is_monotone(tiny_target):
-    costs = profile_engine_costs(tiny_target.model, tiny_target.model, 6, 2, 2, repeats=2)
-    assert len(costs.target_ms) == 6 and len(costs.draft_ms) == 2
+@pytest.mark.parametrize("which", ["self:1", "eagle"])
+def test_profile_engine_costs_times_the_path_in_use(tiny_target, which):
+    """The cost table times the engine's own forward path and draft object (issue 16: the native path's costs
+    are not transformers'), at interpolated sizes, monotone; ngram costs no draft time."""
+    from test_eagle import eagle
+
+    draft = ModelDraft(self_draft(tiny_target, 1), GREEDY, 0, "self:1") if which == "self:1" else eagle(tiny_target)
+    costs = profile_engine_costs(tiny_target, draft, 12, 3, 2, repeats=2, context=16)
+    assert len(costs.target_ms) == 12 and len(costs.draft_ms) == 3
     assert all(b >= a for a, b in zip(costs.target_ms, costs.target_ms[1:]))
-    ngram_costs = profile_engine_costs(tiny_target.model, None, 3, 2, 2, repeats=1)
-    assert ngram_costs.draft_ms[-1] < 1.0
+    assert costs.draft_ms[0] > 0
+    # the draft is usable afterwards (the engine starts it again)
+    out = SpeculativeEngine(tiny_target, draft, GREEDY, 2, "chain").generate(PROMPTS[:2], 6)
+    assert [r.output_ids for r in out] == [naive_greedy(tiny_target.model, p, 6) for p in PROMPTS[:2]]
+    ngram_costs = profile_engine_costs(tiny_target, NgramDraft(), 3, 2, 2, repeats=1, context=8)
+    assert ngram_costs.draft_ms == [0.0, 0.0]
+    with pytest.raises(ValueError, match="max_tokens"):
+        profile_engine_costs(tiny_target, None, 0, 2, 2)
 
 
-def test_adaptive_refuses_gbv(tiny_target):
+def test_profile_sizes():
+    from specadapt.engine.adaptive import profile_sizes
+
+    assert profile_sizes(5) == [1, 2, 3, 4, 5]
+    sizes = profile_sizes(256)
+    assert sizes[:8] == list(range(1, 9)) and sizes[-1] == 256 and len(sizes) < 30
+    assert all(b > a for a, b in zip(sizes, sizes[1:]))
+
+
+def test_adaptive_with_ngram(tiny_target):
     av = _adaptive(2, CostTable([1.0], [1.0]))
-    draft = ModelDraft(self_draft(tiny_target, 1), GREEDY, 0, "self:1")
-    with pytest.raises(ValueError, match="adaptive"):
-        SpeculativeEngine(tiny_target, draft, GREEDY, 2, "gbv", num_paths=2, adaptive=av)
     # ngram drafts work with it (q one-hot: feature 40)
     SpeculativeEngine(tiny_target, NgramDraft(), GREEDY, 2, "block", adaptive=av).generate(PROMPTS[:1], 5)
 
@@ -256,11 +277,14 @@ def test_early_stop_and_full_drafting_choose_the_same_next_budget(tiny_target, b
 
 
 def _av_run(target, params, mode, n=24, L=3, seed=0):
+    """Issue 19's setting: speculation="on" (a round with B* = 0 still drafts position 1, so the budget can
+    return from 0 without probes; "auto", where B* = 0 turns drafting off, is tests/test_speculation_off.py's)."""
     costs = CostTable(target_ms=[1.0] * 64, draft_ms=[0.0])  # verifying is free: every draft pays
-    av = AdaptiveVerification(AcceptanceEstimator(L, refit_interval=5), costs, early_stop=mode == "early")
+    av = AdaptiveVerification(AcceptanceEstimator(L, refit_interval=5), costs, early_stop=mode == "early",
+                              speculation="on")
     av.stale_budget = 0  # the budget starts at 0
     draft = ModelDraft(self_draft(target, 2), params, seed, "self:2")  # a copy
-    engine = SpeculativeEngine(target, draft, params, L, "chain", seed=seed, adaptive=av)
+    engine = SpeculativeEngine(target, draft, params, L, "chain", seed=seed, adaptive=av, speculation="on")
     return engine, av, engine.generate(PROMPTS, n, batch_size=4)
 
 

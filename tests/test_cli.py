@@ -186,8 +186,15 @@ def test_generate_with_adaptive_verification(capsys, tiny_model_dir, tmp_path):
     assert cfg["av_verified_drafts"] + cfg["av_pruned_drafts"] > 0
     code, _, _ = _run(capsys, *args)  # second run loads the saved table
     assert code == 0
-    code, _, err = _run(capsys, "--adaptive-verification", "--verify", "gbv")
-    assert code == 2 and "--adaptive-verification" in err
+    code, _, _ = _run(capsys, *args, "--verify", "gbv", "--num-paths", "2")  # adaptive verification with GBV
+    assert code == 0
+    code, _, err = _run(capsys, "--av-probe-interval", "0")
+    assert code == 2 and "--av-probe-interval" in err
+    code, _, err = _run(capsys, "--av-probe-interval", "8", "--av-probe-interval-max", "4")
+    assert code == 2 and "--av-probe-interval-max" in err
+    code, _, _ = _run(capsys, *args, "--speculation", "off")
+    assert code == 0
+    assert json.loads(out.read_text())["config"]["av_verified_drafts"] == 0
     code, _, err = _run(capsys, "--av-refit-interval", "0")
     assert code == 2 and "--av-refit-interval" in err
     costs.write_text("not json")

@@ -164,10 +164,14 @@ def test_speculation_off_for_one_request_is_target_only_decoding():
     assert any(r.num_drafted > 0 for r in on.result.rounds)
     base = _engine(target, "none", "chain").generate([PROMPTS[0]], 24, seeds=[11])[0]
     assert off.result.output_ids == base.output_ids
-    with pytest.raises(ValueError, match="speculate=False"):
-        gbv = _engine(target, "self:1", "gbv")
-        gbv.open_batch()
-        gbv.join([Request(PROMPTS[0], 4, 0, speculate=False)])
+    # GBV: the opted-out request gets cap 0 (its next token straight from the target, with the final coin)
+    gbv = _engine(target, "self:1", "gbv")
+    off_gbv = Request(PROMPTS[0], 24, 11, speculate=False)
+    on_gbv = Request(PROMPTS[2], 24, 12)
+    _run_schedule(gbv, [off_gbv, on_gbv], {0: [0, 1]})
+    assert all(r.num_drafted == 0 for r in off_gbv.result.rounds)
+    assert any(r.num_drafted > 0 for r in on_gbv.result.rounds)
+    assert off_gbv.result.output_ids == base.output_ids
 
 
 def test_stop_tokens_end_a_request_inside_an_accepted_block():

@@ -52,12 +52,41 @@ def test_study_bucket_aggregation_weights_by_rounds():
     assert study.label({"config": {"draft": "eagle", "tts": True, "tts_stride": 2, "tts_params": "lora"}}) == "eagle + TTS S=2 (LoRA)"
 
 
-def test_av_sweep_pareto_front_and_gap():
+class _FakeEngine:
+    """Each step emits 2 tokens per running row; a row finishes after 3 steps."""
+
+    def __init__(self):
+        self.rows, self.joined, self.opened = [], [], 0
+
+    def open_batch(self):
+        self.opened += 1
+
+    def join(self, requests):
+        self.joined.extend(requests)
+        self.rows.extend([r, 0] for r in requests)
+
+    def step(self):
+        events = []
+        for row in self.rows:
+            row[1] += 1
+            events.append((row[0], [1, 2], row[1] == 3))
+        self.rows = [row for row in self.rows if row[1] < 3]
+        return events
+
+    def close_batch(self):
+        self.opened -= 1
+
+
+def test_av_sweep_cell_refills_at_eos_and_reference():
     sweep = _load("av_sweep")
-    points = [(12.3, 45.8), (11.5, 44.5), (10.1, 38.4), (19.0, 19.0)]
-    assert sorted(sweep.pareto_front(points)) == [0, 3]
-    gaps = [sweep.front_gap(points, i) for i in range(len(points))]
-    assert gaps[0] == 0.0 and gaps[3] == 0.0
-    # (11.5, 44.5) needs x1.0293 in both coordinates to escape (12.3, 45.8): within 5%
-    assert gaps[1] == pytest.approx(45.8 / 44.5 - 1)
-    assert gaps[2] == pytest.approx(min(12.3 / 10.1, 45.8 / 38.4) - 1) and gaps[2] > 0.05
+    engine = _FakeEngine()
+    cell = sweep.run_cell(engine, [[5], [6, 7]], batch=2, budget_tokens=20, max_new=9, seed=100)
+    # 2 rows x 2 tokens per step: 5 steps reach 20 tokens; rows finish at step 3 and are refilled
+    assert cell["tokens"] == 20 and cell["rounds"] == 5 and cell["requests_finished"] == 2
+    assert cell["acceptance_length"] == 2.0 and engine.opened == 0
+    assert [r.seed for r in engine.joined] == [100, 101, 102, 103]
+    assert [list(r.prompt) for r in engine.joined] == [[5], [6, 7], [5], [6, 7]]
+    cells = [{"setting": "target-only", "tokens_per_s": 10.0}, {"setting": "L=1", "tokens_per_s": 12.0},
+             {"setting": "L=3", "tokens_per_s": 11.0}, {"setting": "AV", "tokens_per_s": 11.4}]
+    reference, ratio = sweep.av_over_reference(cells)
+    assert reference["setting"] == "L=1" and ratio == pytest.approx(0.95)

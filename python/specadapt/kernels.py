@@ -27,6 +27,8 @@ __all__ = [
     "has_op_for",
     "verify",
     "gbv_verify",
+    "gbv_verify_capped",
+    "sample_inverse_cdf",
     "IMPLEMENTATIONS",
     "choose_implementation",
     "irls_accumulate",
@@ -310,6 +312,62 @@ def gbv_verify(
         torch.ops.specadapt.gbv_verify, candidates, target_probs, draft_probs, uniforms, uniforms_final
     )
     return GBVOutput(accept_len, output_tokens, chosen)
+
+
+
+def gbv_verify_capped(
+    candidates: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    uniforms: torch.Tensor,
+    uniforms_final: torch.Tensor,
+    caps: torch.Tensor,
+    impl: str = "auto",
+) -> GBVOutput:
+    """:func:`gbv_verify` with request ``b`` verifying only the first ``caps[b]`` drafts of every path (adaptive
+    verification's per-request budget): a GBV of depth ``caps[b]`` on the paths' prefixes, one call per distinct
+    cap; a request with cap 0 takes its next token straight from the target (``target_probs[b, 0, 0]`` with
+    ``uniforms_final[b]``, inverse CDF). Exact when the caps do not depend on the drafted tokens (for example
+    chosen from the committed context only, as the embedded engine does).
+
+    Args:
+        candidates ... uniforms_final: as :func:`gbv_verify` (``[B, K, L+1]``, ``[B, K, L+1, V]``, ``[B, K, L, V]``,
+            ``[B, L]``, ``[B]``).
+        caps: ``[B]`` int, clamped to ``[0, L]``.
+
+    Returns:
+        :class:`GBVOutput` (``accept_len [B]``, ``output_tokens [B, L+1]``, ``chosen_path [B]``, int32; columns past
+        ``caps[b] + 1`` are 0).
+    """
+    batch, _, slots = candidates.shape
+    depth = slots - 1
+    device = candidates.device
+    caps_host = caps.to("cpu", torch.int64).clamp(0, depth)
+    if bool((caps_host >= depth).all()):
+        return gbv_verify(candidates, target_probs, draft_probs, uniforms, uniforms_final, impl=impl)
+    accept_len = torch.zeros(batch, dtype=torch.int32, device=device)
+    output = torch.zeros(batch, slots, dtype=torch.int32, device=device)
+    chosen = torch.zeros(batch, dtype=torch.int32, device=device)
+    for cap in sorted(set(caps_host.tolist())):
+        rows = (caps_host == cap).nonzero().squeeze(1).to(device)
+        if cap == 0:  # nothing verified: the next token straight from the target
+            output[rows, 0] = sample_inverse_cdf(target_probs[rows, 0, 0], uniforms_final[rows]).to(torch.int32)
+            continue
+        part = gbv_verify(candidates[rows, :, : cap + 1].contiguous(), target_probs[rows, :, : cap + 1].contiguous(),
+                          draft_probs[rows, :, :cap].contiguous(), uniforms[rows, :cap].contiguous(),
+                          uniforms_final[rows].contiguous(), impl=impl)
+        accept_len[rows] = part.accept_len.to(torch.int32)
+        output[rows, : cap + 1] = part.output_tokens.to(torch.int32)
+        chosen[rows] = part.chosen_path.to(torch.int32)
+    return GBVOutput(accept_len, output, chosen)
+
+
+def sample_inverse_cdf(probs: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample of each row of ``probs [B, V]`` (normalised here, float64) with ``coins [B]`` in [0, 1):
+    ``[B] int64`` token ids."""
+    cdf = probs.double().cumsum(-1)
+    cdf = cdf / cdf[:, -1:].clamp_min(1e-300)
+    return torch.searchsorted(cdf, coins.double()[:, None].to(cdf.device)).clamp_max(probs.shape[-1] - 1).squeeze(1)
 
 
 def irls_accumulate(

@@ -14,11 +14,23 @@ equal costs) and hence verify the same caps; and a round with ``B* = 0`` still k
 request, so the budget can return from 0 (issue 19). Choosing it from the drafted slots only, as before, let
 early stop ratchet ``B*`` down: slots early stop did not draft have survival 0, so ``B*`` could never exceed the
 previous one, and one round with ``B* = 0`` stopped drafting for good.
+
+Speculation off (issue 16, ``speculation="auto"``, the engine's default). ``B = 0`` is one of the budget's
+options, costed as a plain target decode step (no draft work, :func:`~specadapt.budget.budget.choose_budget`'s
+``zero_is_off``). After a round chose ``B* = 0``, the next rounds draft nothing at all
+(:meth:`AdaptiveVerification.round_draft_limit` returns 0: the engine runs plain target steps and a model draft
+defers its catch-up to the round drafting resumes). Probe rounds keep the estimator learning while speculation is
+off: after ``probe_interval`` rounds off, one round drafts ``probe_depth`` token(s) per request and verifies them
+unpruned; its survivals (position 1 known, extrapolated to L) choose the next ``B*`` as in any round. A probe that
+leaves ``B* = 0`` doubles the wait before the next one, up to ``probe_interval_max`` (so a batch where speculation
+never pays spends at most about one round in ``probe_interval_max`` probing); a probe that turns speculation on
+resets it. Whether a round is off or a probe depends only on earlier rounds, never on this round's drafted tokens
+(the exactness condition above).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -48,6 +60,21 @@ class AdaptiveVerification:
             of each request) extrapolated to the proposed depth (see the module docstring; the same in both
             early-stop modes); ``False`` ranks every proposed slot's survival (the SGLang plugin, whose draft
             always runs every step).
+        speculation: ``"auto"``: a round with ``B* = 0`` turns speculation off until a probe round turns it on
+            again (module docstring); ``"on"``: ``B = 0`` still pays the draft's round and drafting never stops
+            (the SGLang plugin, whose draft graph always runs).
+        probe_interval, probe_interval_max: rounds off before the first probe, and the cap of its doubling.
+        probe_depth: drafts per request a probe round verifies (unpruned).
+        rounds_off, probe_rounds: counters of rounds with speculation off / probe rounds so far.
+        cost_samples: ``(table_ms, measured_ms, calibrated_ms)`` of recent rounds (:meth:`record_round_time`; at
+            most ``max_cost_samples`` kept): the cost table's prediction, the measured wall time, and the
+            prediction with the learnt overhead, to check the cost model against the rounds it chose.
+        online_overhead: learn, from measured round times, the ms a round costs beyond the table's forwards
+            (sampling, verification, Python; separately for rounds with speculation off and on: an exponential
+            average of measured - predicted with weight ``overhead_weight``, over steady rounds: not the first
+            round, not probe rounds, which also pay a deferred catch-up) and add it to the budget's costs.
+            Exact as any stale B*: it depends on earlier rounds only. ``False`` (or a loaded table meant to be
+            reproduced exactly): the table alone.
     """
 
     estimator: AcceptanceEstimator
@@ -55,15 +82,126 @@ class AdaptiveVerification:
     stale_budget: int | None = None
     pruned: int = 0
     verified: int = 0
-    history: list = field(default_factory=list)
     prune: bool = True
     early_stop: bool = True  # stop drafting a row once its next slot cannot be verified (draft_caps)
     draft_log: object = None  # an open text file: one JSON line per verified draft (--log-drafts)
     rounds: int = 0
     budget_from_verified: bool = True
+    speculation: str = "auto"
+    probe_interval: int = 4
+    probe_interval_max: int = 64
+    probe_depth: int = 1
+    rounds_off: int = 0
+    probe_rounds: int = 0
+    cost_samples: list | None = None
+    max_cost_samples: int = 100_000
+    online_overhead: bool = True
+    overhead_weight: float = 0.1
+    overhead_ms: dict | None = None
     _plan_refits: int = 0
+    _off_streak: int = 0
+    _probe_wait: int = 0
+    _probing: bool = False
+    _round_limit: int | None = None
+    _predicted_ms: float | None = None
     _round_features: torch.Tensor | None = None  # draft_caps' features of the positions drafted so far
     _round_proposed: torch.Tensor | None = None  # draft_caps' num_drafts at step 0: the depth each row proposed
+
+    def __post_init__(self) -> None:
+        if self.speculation not in ("auto", "on"):
+            raise ValueError(f"speculation must be 'auto' or 'on', got {self.speculation!r}")
+        if self.probe_interval < 1 or self.probe_interval_max < self.probe_interval:
+            raise ValueError(f"probe_interval must be >= 1 and <= probe_interval_max, got {self.probe_interval} "
+                             f"and {self.probe_interval_max}")
+        if not 1 <= self.probe_depth <= self.estimator.num_positions:
+            raise ValueError(f"probe_depth must be in [1, {self.estimator.num_positions}], got {self.probe_depth}")
+        self._probe_wait = self.probe_interval
+        if self.cost_samples is None:
+            self.cost_samples = []
+        if self.overhead_ms is None:
+            self.overhead_ms = {"on": None, "off": None}
+        self._predicted_off = False
+        self._learn_round = True
+
+    @property
+    def speculation_off(self) -> bool:
+        """Whether the budget has turned speculation off (``B* = 0`` under ``speculation="auto"``)."""
+        return self.speculation == "auto" and self.prune and self.stale_budget == 0
+
+    def round_draft_limit(self) -> int | None:
+        """Called once at the start of each round, before drafting: the most drafts a request may propose.
+
+        Returns:
+            ``None`` (no limit: speculation on), ``0`` (speculation off: no request drafts, no draft work at
+            all) or ``probe_depth`` (a probe round: every request drafts that many, all verified). See the module
+            docstring; the answer depends on earlier rounds only.
+        """
+        self._probing = False
+        self._round_limit = None
+        if not self.speculation_off:
+            self._off_streak = 0
+            return None
+        self._off_streak += 1
+        if self._off_streak > self._probe_wait:
+            self._off_streak = 0
+            self._probing = True
+            self.probe_rounds += 1
+            self._round_limit = self.probe_depth
+        else:
+            self.rounds_off += 1
+            self._round_limit = 0
+        return self._round_limit
+
+    def record_round_time(self, measured_ms: float) -> None:
+        """The measured wall time of the round :meth:`plan` just costed (the engine calls it after the round)."""
+        if self._predicted_ms is None:
+            return
+        mode = "off" if self._predicted_off else "on"
+        calibrated = self._predicted_ms + self._overhead(mode)
+        if len(self.cost_samples) < self.max_cost_samples:
+            self.cost_samples.append((self._predicted_ms, float(measured_ms), calibrated))
+        if self._learn_round:
+            residual = float(measured_ms) - self._predicted_ms
+            old = self.overhead_ms[mode]
+            self.overhead_ms[mode] = residual if old is None else old + self.overhead_weight * (residual - old)
+        self._predicted_ms = None
+
+    def _overhead(self, mode: str) -> float:
+        """The learnt overhead of a round with speculation ``mode`` (``on`` / ``off``); an unmeasured ``off``
+        borrows ``on``'s; 0 before any measurement or without ``online_overhead``."""
+        if not self.online_overhead:
+            return 0.0
+        value = self.overhead_ms[mode]
+        if value is None and mode == "off":
+            value = self.overhead_ms["on"]
+        return 0.0 if value is None else value
+
+    def cost_model_error(self) -> dict:
+        """How well the cost table predicted the rounds it chose (:attr:`cost_samples`).
+
+        Returns:
+            ``{"rounds", "median_ratio"`` (median of measured / table-predicted ms), ``"median_abs_rel_error"``
+            (median of |measured - predicted| / measured, table alone), ``"calibrated_median_ratio",
+            "calibrated_median_abs_rel_error"`` (the same with the learnt overhead), ``"mean_predicted_ms",
+            "mean_measured_ms", "overhead_ms"}``; zeros when no round was recorded.
+        """
+        import statistics
+
+        rows = [(p, m, c) for p, m, c in self.cost_samples if p > 0 and m > 0 and c > 0]
+        if not rows:
+            return {"rounds": 0, "median_ratio": 0.0, "median_abs_rel_error": 0.0, "calibrated_median_ratio": 0.0,
+                    "calibrated_median_abs_rel_error": 0.0, "mean_predicted_ms": 0.0, "mean_measured_ms": 0.0,
+                    "overhead_ms": dict(self.overhead_ms)}
+        return {
+            "rounds": len(rows),
+            "median_ratio": statistics.median(m / p for p, m, _ in rows),
+            "median_abs_rel_error": statistics.median(abs(m - p) / m for p, m, _ in rows),
+            "calibrated_median_ratio": statistics.median(m / c for _, m, c in rows),
+            "calibrated_median_abs_rel_error": statistics.median(abs(m - c) / m for _, m, c in rows),
+            "mean_predicted_ms": statistics.fmean(p for p, _, _ in rows),
+            "mean_measured_ms": statistics.fmean(m for _, m, _ in rows),
+            "overhead_ms": dict(self.overhead_ms),
+        }
 
     def plan(self, draft_probs: torch.Tensor, num_drafts: torch.Tensor):
         """Decide how many drafts each request verifies.
@@ -88,22 +226,51 @@ class AdaptiveVerification:
         predictions = self.estimator.predict(features)
         surv = survival(predictions, num_drafts)
         self._plan_refits = self.estimator.refits
-        if self.stale_budget is None or not self.prune:
-            num_verify = num_drafts.clone()
+        probing = self._probing
+        if self.stale_budget is None or not self.prune or probing:
+            num_verify = num_drafts.clone()  # a probe round verifies what it drafted (probe_depth per request)
         else:
             num_verify = torch.minimum(allocate_prefixes(surv, self.stale_budget), num_drafts)
         # with early stop the draft runs only as deep as the budget reaches: cost the depth (L = estimator's K)
-        steps = self.estimator.num_positions if self.early_stop else None
+        depth_cost = self.estimator.num_positions
+        steps = depth_cost if self.early_stop else None
+        self._predicted_ms = self._round_cost(num_drafts.shape[0], features.shape[1], int(num_verify.sum()))
+        self._predicted_off = self._round_limit == 0
+        # a probe pays the deferred catch-up of every round it was off, the first round verifies all L: neither
+        # is a steady round, so neither teaches the overhead (they are still recorded in cost_samples)
+        self._learn_round = not probing and self.stale_budget is not None
         if self.budget_from_verified:
             # draft_caps' features / proposed depths when early stop ran this round; else the proposal's own
             known = self._round_features if self._round_features is not None else features
             proposed = self._round_proposed if self._round_proposed is not None else num_drafts
+            if probing:  # a probe drafts probe_depth: extrapolate its rows to the full depth L
+                proposed = torch.where(num_drafts > 0, torch.full_like(num_drafts, depth_cost), num_drafts)
             surv = self.extrapolated_survival(known, proposed, num_verify)
         self._round_features = self._round_proposed = None
-        self.stale_budget = choose_budget(surv, self.costs, draft_steps=steps)
+        self.stale_budget = choose_budget(surv, self.costs, draft_steps=steps,
+                                          zero_is_off=self.speculation == "auto", overhead_ms=self._overhead("on"),
+                                          overhead_off_ms=self._overhead("off"))
+        if probing and self.stale_budget == 0:
+            self._probe_wait = min(2 * self._probe_wait, self.probe_interval_max)
+        elif self._round_limit is None:
+            self._probe_wait = self.probe_interval  # speculation ran: a later switch-off probes early again
+        self._probing = False
+        self._round_limit = None
         self.pruned += int((num_drafts - num_verify).sum())
         self.verified += int(num_verify.sum())
         return num_verify, features, predictions
+
+    def _round_cost(self, requests: int, drafted_depth: int, verified: int) -> float:
+        """The cost model's ms for the round being planned: the draft's forwards (none when speculation is off;
+        ``max(depth, 1)`` of ``L`` with early stop, else all ``L``) plus the target's forward over one token per
+        request and the verified drafts."""
+        if self._round_limit == 0:
+            draft = 0.0
+        else:
+            steps = self.estimator.num_positions
+            depth = min(max(drafted_depth, 1), steps) if self.early_stop else steps
+            draft = self.costs.draft_depth_cost(requests, depth, steps)
+        return draft + self.costs.verify_cost(requests + verified)
 
     def extrapolated_survival(self, features: torch.Tensor, proposed: torch.Tensor,
                               num_verify: torch.Tensor) -> torch.Tensor:
@@ -165,7 +332,7 @@ class AdaptiveVerification:
         """
         batch = draft_probs.shape[0]
         keep = num_drafts > step
-        if self.stale_budget is None or not self.prune or not bool(keep.any()):
+        if self.stale_budget is None or not self.prune or self._probing or not bool(keep.any()):
             return num_drafts.clone()
         if step == 0:
             self._round_proposed = num_drafts.clone()  # for plan(): the depth each row proposed

@@ -32,7 +32,8 @@ def survival(accept_probs: torch.Tensor, num_drafts: torch.Tensor | None = None)
 
 
 def choose_budget(survivals: torch.Tensor, costs: CostTable, non_draft_tokens: int | None = None,
-                  draft_steps: int | None = None) -> int:
+                  draft_steps: int | None = None, zero_is_off: bool = False, overhead_ms: float = 0.0,
+                  overhead_off_ms: float | None = None) -> int:
     """``B* = argmax_B E(B) / C(B)`` over ``B = 0..R*K`` (smallest B on ties).
 
     Args:
@@ -48,6 +49,13 @@ def choose_budget(survivals: torch.Tensor, costs: CostTable, non_draft_tokens: i
             yields position 1's q rows (the draft's catch-up on the accepted tokens runs every round). The
             forward that would only show that slot ``d + 1`` is out of the budget is skipped by the look-ahead of
             :meth:`~specadapt.budget.adaptive.AdaptiveVerification.draft_caps` when its bound rules it out.
+        zero_is_off: ``B = 0`` means speculation off for the next round (issue 16): it is costed as a plain
+            target decode step, ``C(0) = verify_ms(T)``, with no draft work (the draft's catch-up is deferred to
+            the round drafting resumes, where it is one chunked forward). ``False``: ``B = 0`` still pays the
+            draft's round as above (the draft runs whatever the budget, e.g. in SGLang's draft graph).
+        overhead_ms: ms a round costs beyond the table's forwards (sampling, verification, bookkeeping; the
+            engine learns it online from measured rounds), added to every ``C(B)``; ``overhead_off_ms`` replaces
+            it for ``B = 0`` when ``zero_is_off`` (a plain target step has less of it; ``None``: the same).
 
     Returns:
         ``B*`` (int, ``0 <= B* <= R*K``).
@@ -71,8 +79,12 @@ def choose_budget(survivals: torch.Tensor, costs: CostTable, non_draft_tokens: i
         if b > 0:
             expected += ranked[b - 1]
             deepest = max(deepest, depth_of[b - 1])
-        draft_b = draft if draft_steps is None else draft * min(max(deepest, 1), draft_steps) / draft_steps
-        rate = expected / (draft_b + costs.verify_cost(t + b))
+        draft_b = draft if draft_steps is None else costs.draft_depth_cost(num_requests, max(deepest, 1), draft_steps)
+        extra = overhead_ms
+        if b == 0 and zero_is_off:
+            draft_b = 0.0
+            extra = overhead_ms if overhead_off_ms is None else overhead_off_ms
+        rate = expected / max(draft_b + costs.verify_cost(t + b) + extra, 1e-9)
         if best_rate is None or rate > best_rate:
             best_b, best_rate = b, rate
     return best_b

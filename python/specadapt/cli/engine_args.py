@@ -67,7 +67,11 @@ def add_engine_arguments(p) -> None:
         help="pad the target's ragged forwards to the widest row instead of packing the real tokens "
              "(packed: pruned drafts and shorter rows cost no compute)",
     )
-    av = p.add_argument_group("adaptive verification (chain / block)")
+    p.add_argument("--speculation", default="auto", choices=["auto", "on", "off"],
+                   help="auto: speculate, and with --adaptive-verification let a budget of 0 switch speculation off "
+                        "(plain target steps, no draft work; probe rounds switch it back on); on: never switch off; "
+                        "off: no request speculates (target-only steps; the draft is loaded but never runs)")
+    av = p.add_argument_group("adaptive verification")
     av.add_argument("--adaptive-verification", action="store_true",
                     help="prune each round's drafts to the budget an online acceptance estimator predicts pays")
     av.add_argument("--av-refit-interval", type=int, default=100, help="decode steps between IRLS refits")
@@ -75,6 +79,11 @@ def add_engine_arguments(p) -> None:
     av.add_argument("--av-no-early-stop", action="store_true",
                     help="draft every position even when the budget cannot verify it (default: model drafts stop "
                          "a request's drafting at its first slot outside the budget; same caps, less work)")
+    av.add_argument("--av-probe-interval", type=int, default=4,
+                    help="with speculation switched off: rounds before a probe round (one draft per request, "
+                         "verified) tests whether it pays again; doubles after each probe that keeps it off")
+    av.add_argument("--av-probe-interval-max", type=int, default=64,
+                    help="cap of the doubling probe interval (worst case about 1 probe round in this many)")
     av.add_argument("--av-init-slope", type=float, default=0.5, help="initial shared slope omega")
     av.add_argument("--av-init-intercept", type=float, default=-0.2, help="initial per-position intercept beta_k")
     av.add_argument("--log-drafts", default=None, metavar="PATH",
@@ -160,8 +169,11 @@ def validate_engine_args(args) -> None:
         raise UsageError(f"--av-refit-interval must be >= 1, got {args.av_refit_interval}")
     if args.av_damping < 0:
         raise UsageError(f"--av-damping must be >= 0, got {args.av_damping}")
-    if args.adaptive_verification and args.verify == "gbv":
-        raise UsageError("--adaptive-verification works with --verify chain or block, not gbv")
+    if args.av_probe_interval < 1:
+        raise UsageError(f"--av-probe-interval must be >= 1, got {args.av_probe_interval}")
+    if args.av_probe_interval_max < args.av_probe_interval:
+        raise UsageError(f"--av-probe-interval-max must be >= --av-probe-interval ({args.av_probe_interval}), "
+                         f"got {args.av_probe_interval_max}")
     if args.log_drafts and args.verify == "gbv":
         raise UsageError("--log-drafts logs the estimator of chain / block verification, not gbv")
     from ..engine.factory import parse_draft_spec
@@ -341,16 +353,17 @@ def _adaptive(args, target, draft, batch_size: int | None = None):
         except ValueError as exc:
             raise UsageError(f"--av-cost-table: {exc}") from None
     else:
-        draft_model = getattr(draft, "model", None)  # self:N / standalone LM / EAGLE head; None for ngram
-        costs = profile_engine_costs(target.model, draft_model, (args.num_draft_tokens + 1) * batch_size,
-                                     batch_size, args.num_draft_tokens)
+        costs = profile_engine_costs(target, draft, (args.num_draft_tokens + 1) * batch_size, batch_size,
+                                     args.num_draft_tokens)
         if path is not None:
             costs.save(path)
     estimator = AcceptanceEstimator(
         args.num_draft_tokens, init_slope=args.av_init_slope, init_intercept=args.av_init_intercept,
         refit_interval=args.av_refit_interval, damping=args.av_damping,
     )
-    return AdaptiveVerification(estimator, costs)
+    return AdaptiveVerification(estimator, costs, early_stop=not args.av_no_early_stop,
+                                speculation="on" if args.speculation == "on" else "auto",
+                                probe_interval=args.av_probe_interval, probe_interval_max=args.av_probe_interval_max)
 
 
 def _warm_up(target, draft) -> None:
@@ -419,7 +432,6 @@ def build_engine(args, max_batch_size: int, ignore_eos: bool = False, error: typ
             raise error(f"--log-drafts: cannot write {args.log_drafts!r}: {exc.strerror}") from None
         adaptive.draft_log = draft_log
         adaptive.prune = args.adaptive_verification
-        adaptive.early_stop = not args.av_no_early_stop
     tts = None
     if args.tts:
         from ..engine.tts_bridge import EngineTTS
@@ -431,6 +443,7 @@ def build_engine(args, max_batch_size: int, ignore_eos: bool = False, error: typ
             target, draft, sampling, args.num_draft_tokens, args.verify, seed=args.seed,
             verify_impl=args.verify_impl, num_paths=args.num_paths, adaptive=adaptive, tts=tts,
             ignore_eos=ignore_eos, packed_forward=args.packed_forward,
+            speculation=args.speculation,
         )
     except ValueError as exc:
         if tts is not None:

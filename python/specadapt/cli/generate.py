@@ -130,7 +130,9 @@ def run(args) -> int:
                                                                    "logit_bias_map")}
     if adaptive is not None:
         config.update(av_pruned_drafts=adaptive.pruned, av_verified_drafts=adaptive.verified,
-                      av_slope=adaptive.estimator.slope, av_intercepts=adaptive.estimator.intercepts.tolist())
+                      av_slope=adaptive.estimator.slope, av_intercepts=adaptive.estimator.intercepts.tolist(),
+                      av_rounds=adaptive.rounds, av_rounds_speculation_off=adaptive.rounds_off,
+                      av_probe_rounds=adaptive.probe_rounds, av_cost_model=adaptive.cost_model_error())
     if tts is not None:
         config.update(tts_stats=tts.summary())
     config.update(torch_version=torch.__version__, torch_threads=torch.get_num_threads(),

@@ -92,15 +92,19 @@ class EagleDraft(Draft):
         else:
             self._round_features = features
 
-    def _feed_pending(self, histories: list[list[int]]):
-        """Feed the pending real pairs; return ``(g [B, h], logits [B, Vd], has_context [B] bool)``."""
+    def _feed_pending(self, histories: list[list[int]], rows: torch.Tensor | None = None):
+        """Feed the pending real pairs of ``rows`` (``[B]`` bool, default all; the other rows keep theirs: their
+        catch-up is deferred to a later round, one chunk then); return ``(g [B, h], logits [B, Vd], has_context
+        [B] bool)`` (meaningful for the fed rows)."""
         batch = len(histories)
-        counts = self._pending_counts if self._pending_counts is not None else torch.zeros(batch, dtype=torch.int64)
+        pending = self._pending_counts if self._pending_counts is not None else torch.zeros(batch, dtype=torch.int64)
+        fed = torch.ones(batch, dtype=torch.bool) if rows is None else rows.cpu().to(torch.bool)
+        counts = torch.where(fed, pending, torch.zeros_like(pending))
         width = int(counts.max()) if batch else 0
         hidden = self.head.hidden_size
         if width == 0:
             has = self.kv.lengths.cpu() > 0
-            if bool(has.any()):
+            if bool((has & fed).any()):
                 raise RuntimeError("EAGLE draft has context but no pending pairs: observe_target was not called")
             dtype = self.head.fuse.weight.dtype
             return torch.zeros(batch, hidden, dtype=dtype), torch.zeros(batch, self.head.draft_vocab.numel()), has
@@ -108,14 +112,15 @@ class EagleDraft(Draft):
         feats = self._pending[:, :width]
         out = self.kv.forward(ids, counts, return_outputs=True, features=feats)
         last = (counts - 1).clamp_min(0)
-        rows = torch.arange(batch)
+        rows = torch.arange(batch)  # (the ``rows`` mask is ``fed`` from here on)
         for r in range(batch):
             c = int(counts[r])
             if c:
                 self.recent_features[r] = torch.cat([self.recent_features[r], feats[r, :c].float().cpu()])[-self.window :]
                 self.recent_tokens[r] = torch.cat([self.recent_tokens[r], ids[r, :c]])[-self.window :]
-        self._pending = None
-        self._pending_counts = torch.zeros(batch, dtype=torch.int64)
+        left = pending - counts  # deferred rows keep their pairs, at the front of the buffer
+        self._pending = None if not bool(left.any()) else self._pending
+        self._pending_counts = left
         return out.hidden[rows, last], out.logits[rows, last].float(), self.kv.lengths.cpu() > 0
 
     def _sample(self, logits: torch.Tensor, coins: torch.Tensor, history=None):
@@ -135,9 +140,15 @@ class EagleDraft(Draft):
     def propose(self, histories, max_tokens, vocab_size) -> DraftProposal:
         assert self.kv is not None, "start() must be called first"
         batch = len(histories)
-        g, logits, has_context = self._feed_pending(histories)
+        drafting = max_tokens.to(torch.int64) > 0
+        if not bool(drafting.any()):  # speculation off for every row: no draft work, the catch-up is deferred
+            self._fed_before = self.kv.lengths.cpu().clone()
+            proposal = _empty_proposal(batch, 0, vocab_size)
+            proposal.num_tokens = torch.zeros(batch, dtype=torch.int64)
+            return proposal
+        g, logits, has_context = self._feed_pending(histories, rows=drafting)
         self._fed_before = self.kv.lengths.cpu().clone()
-        num = torch.where(has_context, max_tokens.to(torch.int64), torch.zeros_like(max_tokens, dtype=torch.int64))
+        num = torch.where(has_context & drafting, max_tokens.to(torch.int64), torch.zeros_like(max_tokens, dtype=torch.int64))
         length = int(num.max()) if batch else 0
         proposal = _empty_proposal(batch, length, vocab_size)
         proposal.num_tokens = num
@@ -209,9 +220,29 @@ class EagleDraft(Draft):
         if self._round_features is None:
             raise RuntimeError("EAGLE draft: the loop did not pass the round's target features (observe_target)")
         counts = accept_len.to(torch.int64) + 1
-        self._pending = self._round_features[:, : int(counts.max())]
-        self._pending_counts = counts
+        self._append_pending(self._round_features, counts)
         self._round_features = None
+
+    def _append_pending(self, features: torch.Tensor, counts: torch.Tensor) -> None:
+        """Append the first ``counts[r]`` of ``features [B, n, 3h]`` to row ``r``'s pending pairs (after the pairs
+        a deferred catch-up left there); the buffer grows by doubling, so rounds of deferral cost O(1) each."""
+        old_counts = self._pending_counts
+        if self._pending is None or old_counts is None or not bool(old_counts.any()):
+            self._pending = features[:, : int(counts.max())]
+            self._pending_counts = counts
+            return
+        total = old_counts + counts
+        buffer = self._pending
+        need = int(total.max())
+        if need > buffer.shape[1]:
+            grown = buffer.new_zeros(buffer.shape[0], max(need, 2 * buffer.shape[1]), buffer.shape[2])
+            grown[:, : buffer.shape[1]] = buffer
+            buffer = grown
+        for r, (o, c) in enumerate(zip(old_counts.tolist(), counts.tolist())):
+            if c:
+                buffer[r, o : o + c] = features[r, :c].to(buffer.dtype)
+        self._pending = buffer
+        self._pending_counts = total
 
     def select(self, rows):
         if self.kv is not None:

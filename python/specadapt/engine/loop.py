@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from ..estimator.features import feature_from_probs
 from ..sampling import SamplingParams, TokenCounts, logits_to_probs_rows
 from .. import kernels
 from . import coins
@@ -36,6 +37,9 @@ from .drafts import Draft, NoDraft, _pad
 from .models import LoadedModel
 
 logger = logging.getLogger(__name__)
+
+#: values of ``SpeculativeEngine(speculation=...)`` and of the front ends' ``--speculation``
+SPECULATION_MODES = ("auto", "on", "off")
 
 __all__ = ["Request", "RoundRecord", "RequestResult", "SpeculativeEngine"]
 
@@ -122,7 +126,11 @@ class SpeculativeEngine:
             sampled paths; needs a draft that samples, i.e. a model draft).
         num_paths: K, paths drafted per request for ``gbv`` (1 for the other rules).
         adaptive: an :class:`~specadapt.engine.adaptive.AdaptiveVerification` to prune each round's drafts to
-            a budget (chain / block only), or ``None``.
+            a budget, or ``None``. With ``gbv`` every path of a request verifies the same prefix, its cap chosen
+            from the committed context only (the q row of position 1, extrapolated with the estimator).
+        speculation: ``auto`` (default) or ``on``: speculate; with ``adaptive`` its own ``speculation`` decides
+            whether a budget of 0 turns drafting off, and must agree. ``off``: no request drafts, every round is
+            a plain target step (the draft is kept but never runs).
         tts: an :class:`~specadapt.engine.tts_bridge.EngineTTS` (Test-Time Speculation of the draft), or
             ``None``. It sees every verified round; weights change only at its publish boundaries.
         ignore_eos: keep decoding past EOS tokens until ``max_new_tokens`` (long-generation measurements).
@@ -137,7 +145,8 @@ class SpeculativeEngine:
             (:mod:`specadapt.engine.packing`); ``False`` pads every row to the widest.
 
     Raises:
-        ValueError: ``num_draft_tokens < 0``, an unknown verification rule or implementation.
+        ValueError: ``num_draft_tokens < 0``, an unknown verification rule or implementation, a ``speculation``
+            value outside auto / on / off or disagreeing with ``adaptive.speculation``.
     """
 
     def __init__(
@@ -154,7 +163,14 @@ class SpeculativeEngine:
         tts=None,
         ignore_eos: bool = False,
         packed_forward: bool = True,
+        speculation: str = "auto",
     ) -> None:
+        if speculation not in SPECULATION_MODES:
+            raise ValueError(f"speculation must be one of {SPECULATION_MODES}, got {speculation!r}")
+        if adaptive is not None and speculation != "off" and adaptive.speculation != speculation:
+            raise ValueError(f"speculation={speculation!r} disagrees with the adaptive verification's "
+                             f"speculation={adaptive.speculation!r}")
+        self.speculation = speculation
         if num_draft_tokens < 0:
             raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
         self.target = target
@@ -176,8 +192,6 @@ class SpeculativeEngine:
                     f"verify='gbv' needs a draft that samples its paths (self:N or a model), not {draft.name!r}"
                 )
         self.num_paths = num_paths
-        if adaptive is not None and verify == "gbv":
-            raise ValueError("adaptive verification works with chain and block, not gbv")
         self.adaptive = adaptive
         # early stop of drafting (exact: the same caps as drafting everything) for model drafts
         draft.draft_filter = adaptive.draft_caps if adaptive is not None and adaptive.early_stop else None
@@ -201,6 +215,7 @@ class SpeculativeEngine:
         self._track_history = sampling.history_dependent or bool(draft_sampling and draft_sampling.history_dependent)
         self._counts: TokenCounts | None = None
         self._speculate: torch.Tensor | None = None  # [B] bool of the round, None when every row speculates
+        self._round_limit: int | None = None  # adaptive verification's draft limit of the round (0: off, probe)
         self._target_params = sampling  # the round's target settings: one SamplingParams or one per row
         self.close_batch()
 
@@ -313,9 +328,6 @@ class SpeculativeEngine:
             if req.sampling.logit_bias and req.sampling.logit_bias[-1][0] >= self.vocab_size:
                 raise ValueError(f"logit_bias: token id {req.sampling.logit_bias[-1][0]} is outside the "
                                  f"vocabulary of {self.vocab_size} tokens")
-        if not req.speculate and self.verify_name == "gbv":
-            raise ValueError("speculate=False: GBV verifies K paths of L drafts for every request; per-request "
-                             "speculation off needs chain or block")
 
     def join(self, requests: list["Request"]) -> None:
         """Add requests to the running batch (between rounds; :meth:`open_batch` first).
@@ -426,14 +438,19 @@ class SpeculativeEngine:
         histories = [row.history for row in self._rows]
         remaining = torch.tensor([row.request.max_new_tokens - len(row.request.result.output_ids)
                                   for row in self._rows], dtype=torch.int64)
+        round_start = time.perf_counter()
         self._speculate = None
-        if not all(row.request.speculate for row in self._rows):
+        if self.speculation == "off":
+            self._speculate = torch.zeros(len(self._rows), dtype=torch.bool)
+        elif not all(row.request.speculate for row in self._rows):
             self._speculate = torch.tensor([row.request.speculate for row in self._rows], dtype=torch.bool)
+        self._round_limit = self.adaptive.round_draft_limit() if self.adaptive is not None else None
         self._target_params = self._row_params(self.sampling)
         draft_default = getattr(self.draft, "sampling", None)
         self.draft.row_sampling = (None if draft_default is None or isinstance(self._target_params, SamplingParams)
                                    else self._row_params(draft_default))
-        if self.verify_name == "gbv":
+        plain = self._round_limit == 0 or (self._speculate is not None and not bool(self._speculate.any()))
+        if self.verify_name == "gbv" and not plain:
             accept_len, output_tokens, n_draft = self._gbv_round(kv, histories)
         else:
             accept_len, output_tokens, n_draft = self._single_path_round(kv, histories, remaining)
@@ -471,6 +488,8 @@ class SpeculativeEngine:
             events.append((req, emitted, done))
         if self._counts is not None:
             self._counts.append_(emitted_rows)
+        if self.adaptive is not None:
+            self.adaptive.record_round_time((time.perf_counter() - round_start) * 1e3)
         self._keep_rows(keep)
         if not self._rows and self._kv is not None and not self._kv.add_rows_reuses_slots:
             self.close_batch()  # a transformers cache of 0 rows cannot take new rows' chunks: start afresh
@@ -504,6 +523,8 @@ class SpeculativeEngine:
         max_drafts = torch.clamp(remaining - 1, min=0, max=self.num_draft_tokens)
         if self._speculate is not None:  # requests with speculation off verify no drafts (plain decode rows)
             max_drafts = torch.where(self._speculate, max_drafts, torch.zeros_like(max_drafts))
+        if self._round_limit is not None:  # adaptive verification: speculation off (0) or a probe round
+            max_drafts = torch.clamp(max_drafts, max=self._round_limit)
         self.draft.history_counts = self._counts
         proposal = self.draft.propose(histories, max_drafts, self.vocab_size)
         n_draft = proposal.num_tokens
@@ -521,7 +542,7 @@ class SpeculativeEngine:
         target_probs = _real_row_probs(logits, n_draft + 1, self._target_params, history)
         uniforms, uniforms_final = self._coins(histories, width)
         out = kernels.verify(
-            self.verify_name,
+            "chain" if self.verify_name == "gbv" else self.verify_name,  # gbv: a round with speculation off
             candidates,
             target_probs,
             proposal.probs,
@@ -543,9 +564,15 @@ class SpeculativeEngine:
         """One GBV round: K sampled paths, merged into a token tree scored by ONE target forward with a tree
         attention mask; GBV picks a path and block-verifies it; both caches keep only that path."""
         K, L = self.num_paths, self.num_draft_tokens
+        if self._round_limit is not None:  # an adaptive verification probe round
+            L = min(L, self._round_limit)
         self.draft.history_counts = self._counts
         tokens, q = self.draft.propose_paths(histories, L, self.vocab_size, K)  # [B,K,L], [B,K,L,V]
         batch = len(histories)
+        caps, plan = self._gbv_caps(q, L)
+        if caps is not None and int(caps.max()) < L:  # no request verifies deeper: score a shallower tree
+            L = max(int(caps.max()), 1)
+            tokens, q = tokens[:, :, :L].contiguous(), q[:, :, :L].contiguous()
         tree = build_token_tree(tokens)
         last = torch.tensor([h[-1] for h in histories], dtype=torch.int64)
         ids = tree.node_tokens.clone()
@@ -566,15 +593,15 @@ class SpeculativeEngine:
         target_probs = node_probs[rows, tree.path_slots]  # [B, K, L+1, V]
         candidates = torch.cat([last[:, None, None].expand(batch, K, 1), tokens], dim=2)
         uniforms, uniforms_final = self._coins(histories, L)
-        out = kernels.gbv_verify(
-            candidates,
-            target_probs,
-            q,
-            uniforms,
-            uniforms_final,
-            impl=self.verify_impl,
-        )
+        if caps is None:
+            out = kernels.gbv_verify(candidates, target_probs, q, uniforms, uniforms_final, impl=self.verify_impl)
+        else:
+            out = kernels.gbv_verify_capped(candidates, target_probs, q, uniforms, uniforms_final, caps,
+                                            impl=self.verify_impl)
         accept_len = out.accept_len.to(torch.int64)
+        n_draft = torch.full((batch,), L, dtype=torch.int64) if caps is None else caps.clamp(max=L)
+        if plan is not None:
+            self.adaptive.observe(plan[0], plan[1], accept_len, n_draft)
         chosen = out.chosen_path.to(torch.int64)
         keep = torch.zeros_like(tree.ancestor_mask[:, 0])
         path = tree.path_slots[torch.arange(batch), chosen]  # [B, L+1]
@@ -588,9 +615,28 @@ class SpeculativeEngine:
         self.draft.commit(accept_len)
         if self.tts is not None:
             b = torch.arange(batch)
-            self.tts.end_round(histories, tokens[b, chosen], torch.full((batch,), L, dtype=torch.int64),
-                               accept_len, target_probs[b, chosen], q[b, chosen])
-        return accept_len, out.output_tokens, torch.full((batch,), L, dtype=torch.int64)
+            self.tts.end_round(histories, tokens[b, chosen], n_draft, accept_len, target_probs[b, chosen], q[b, chosen])
+        return accept_len, out.output_tokens, n_draft
+
+    def _gbv_caps(self, q: torch.Tensor, depth: int):
+        """Per-request caps of a GBV round: ``(caps [B] int64 or None, (features, predictions) or None)``.
+
+        With adaptive verification every path of request ``b`` verifies its first ``caps[b]`` drafts, chosen by
+        the budget from survivals whose feature is position 1's q row (identical on every path: it depends on
+        the committed context only) carried to every depth, so the caps never depend on a drafted token and GBV
+        on the capped prefixes stays exact. Requests with speculation off get cap 0 (a plain target step)."""
+        batch = q.shape[0]
+        caps = plan = None
+        if self.adaptive is not None:
+            first = feature_from_probs(q[:, 0, :1])  # [B, 1]
+            features = first.expand(batch, depth).contiguous()
+            caps, features, predictions = self.adaptive.plan_features(
+                features, torch.full((batch,), depth, dtype=torch.int64))
+            plan = (features, predictions)
+        if self._speculate is not None:
+            full = caps if caps is not None else torch.full((batch,), depth, dtype=torch.int64)
+            caps = torch.where(self._speculate, full, torch.zeros_like(full))
+        return caps, plan
 
 
 @dataclass

@@ -49,7 +49,8 @@ class SGLangAdaptiveVerification:
             costs = CostTable(target_ms=[1.0] * (max_requests * (num_drafts + 1)), draft_ms=[0.0])
         # SGLang's draft graph always runs every step: no early stop, the spec's fixed draft cost, and the next
         # B* ranks every drafted slot's survival (nothing to extrapolate)
-        self.state = AdaptiveVerification(estimator, costs, early_stop=False, budget_from_verified=False)
+        self.state = AdaptiveVerification(estimator, costs, early_stop=False, budget_from_verified=False,
+                                           speculation="on")
         self.broadcast = broadcast
 
     @property

@@ -315,36 +315,6 @@ class GBVRound:
     draft_probs: torch.Tensor
 
 
-def _sample_rows(probs: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sample of each row of ``probs [B, V]`` with ``coins [B]`` in [0, 1)."""
-    cdf = probs.double().cumsum(-1)
-    cdf = cdf / cdf[:, -1:].clamp_min(1e-300)
-    return torch.searchsorted(cdf, coins.double()[:, None].to(cdf.device)).clamp_max(probs.shape[-1] - 1).squeeze(1)
-
-
-def _gbv_capped(tokens, target, q, coins, final, caps, impl):
-    """GBV with each request verifying at most ``caps[b]`` drafts of every path (a shorter GBV per cap value)."""
-    batch, k, slots = tokens.shape
-    depth = slots - 1
-    accept_len = torch.zeros(batch, dtype=torch.int32, device=tokens.device)
-    output = torch.zeros(batch, slots, dtype=torch.int32, device=tokens.device)
-    chosen = torch.zeros(batch, dtype=torch.int32, device=tokens.device)
-    caps = caps.clamp(0, depth)
-    for cap in sorted(set(caps.tolist())):
-        rows = (caps == cap).nonzero().squeeze(1).to(tokens.device)
-        if cap == 0:  # nothing verified: the next token straight from the target
-            output[rows, 0] = _sample_rows(target[rows, 0, 0], final[rows]).to(torch.int32)
-            continue
-        part = kernels.gbv_verify(tokens[rows, :, : cap + 1], target[rows, :, : cap + 1], q[rows, :, :cap].contiguous(),
-                                  coins[rows, :cap], final[rows], impl=impl)
-        accept_len[rows] = part.accept_len.to(torch.int32)
-        output[rows, : cap + 1] = part.output_tokens.to(torch.int32)
-        chosen[rows] = part.chosen_path.to(torch.int32)
-    from ..verification.gbv import GBVOutput
-
-    return GBVOutput(accept_len, output, chosen)
-
-
 def gbv_speculative_sampling(drafting: GBVDrafting, predicts, accept_index, accept_token_num, candidates,
                              retrive_index, retrive_next_token, retrive_next_sibling, uniform_samples,
                              uniform_samples_for_final_sampling, target_probs, draft_probs, impl: str = "auto",
@@ -399,7 +369,7 @@ def gbv_speculative_sampling(drafting: GBVDrafting, predicts, accept_index, acce
     if caps_host is None or bool((caps_host >= depth).all()):
         out = kernels.gbv_verify(tokens, target.float(), q.contiguous(), coins, final, impl=impl)
     else:
-        out = _gbv_capped(tokens, target.float(), q, coins, final, caps_host, impl)
+        out = kernels.gbv_verify_capped(tokens, target.float(), q, coins, final, caps_host, impl=impl)
     chosen = out.chosen_path.to(torch.int64).contiguous()
     if broadcast is not None:  # SGLang broadcasts rank 0's accepted tokens after the sampler; keep its path too
         broadcast(chosen)

@@ -1,0 +1,315 @@
+"""Issue 16: adaptive verification that can turn speculation off (B = 0 costed as a plain target step), probe
+rounds that turn it back on, the deferred catch-up of the EAGLE head, adaptive verification with GBV, the
+engine's ``speculation`` switch and the cost model's record of measured rounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import loaded, tiny_llama
+from test_eagle import eagle
+from test_engine_tiny import GREEDY, PROMPTS, _exact_joint, assert_first_tokens_follow, naive_greedy
+from specadapt.budget import CostTable, choose_budget
+from specadapt.engine import ModelDraft, SpeculativeEngine
+from specadapt.engine.loop import Request
+from specadapt.engine.adaptive import AdaptiveVerification
+from specadapt.engine.drafts import self_draft
+from specadapt.estimator import AcceptanceEstimator
+from specadapt.sampling import SamplingParams
+
+FLAT = CostTable(target_ms=[1.0] * 256, draft_ms=[0.0])  # verifying is free: every draft pays
+STEEP = CostTable(target_ms=[10.0 * n for n in range(1, 257)], draft_ms=[5.0])  # no draft ever pays
+
+
+def _av(L, costs, **kwargs):
+    """Synthetic cost tables: the learnt overhead (measured - predicted) is off, or the tiny models' real round
+    times would rewrite the costs these tests choose."""
+    kwargs.setdefault("online_overhead", False)
+    return AdaptiveVerification(AcceptanceEstimator(L, refit_interval=5), costs, **kwargs)
+
+
+def _count_forwards(draft) -> list:
+    """Wrap the draft's cache forward (created by start()) so each call appends 1 to the returned list."""
+    calls = []
+    original_start = draft.start
+
+    def start(histories):
+        original_start(histories)
+        inner = draft.kv.forward
+        draft.kv.forward = lambda *a, **k: calls.append(1) or inner(*a, **k)
+
+    draft.start = start
+    return calls
+
+
+def test_choose_budget_costs_zero_as_a_plain_target_step():
+    s = torch.tensor([[0.5, 0.2]], dtype=torch.float64)
+    costs = CostTable(target_ms=[10.0, 11.0, 12.0], draft_ms=[6.0])
+    # draft always paid: B=0 1/16, B=1 1.5/17, B=2 1.7/18 -> B = 2
+    assert choose_budget(s, costs) == 2
+    # B = 0 costs a target step only: 1/10 beats 1.5/17 and 1.7/18 -> 0
+    assert choose_budget(s, costs, zero_is_off=True) == 0
+    assert choose_budget(torch.tensor([[0.9, 0.8]], dtype=torch.float64), costs, zero_is_off=True) == 2
+
+
+@pytest.mark.parametrize("rule", ["chain", "block"])
+def test_zero_budget_turns_speculation_off_and_a_probe_turns_it_on(tiny_target, rule):
+    """A copy of the target as draft, a flat cost, the budget starting at 0: rounds 1..probe_interval draft
+    nothing (no draft forward at all), the next round probes one draft per request, and drafting resumes."""
+    n, L = 24, 3
+    expected = [naive_greedy(tiny_target.model, p, n) for p in PROMPTS]
+    av = _av(L, FLAT, probe_interval=2)
+    av.stale_budget = 0
+    draft = ModelDraft(self_draft(tiny_target, 2), GREEDY, 0, "self:2")
+    forwards = _count_forwards(draft)
+    engine = SpeculativeEngine(tiny_target, draft, GREEDY, L, rule, adaptive=av)
+    results = engine.generate(PROMPTS, n, batch_size=4)
+    assert [r.output_ids for r in results] == expected
+    for res in results:
+        drafted = [r.num_drafted for r in res.rounds]
+        if res is results[1]:  # a one-token prompt: the draft has no context in round 1
+            continue
+        assert drafted[:3] == [0, 0, 1], drafted  # off, off, probe (1 draft)
+        assert all(d > 0 for d in drafted[3:-1]), drafted  # drafting resumed
+    assert av.rounds_off == 2 and av.probe_rounds == 1
+    # round 1 and 2 ran no draft forward: the first forward is the probe's catch-up of all pending tokens
+    assert len(forwards) > 0
+
+
+def test_deferred_catch_up_runs_no_draft_forward_while_off(tiny_target):
+    L = 3
+    av = _av(L, STEEP, probe_interval=64, probe_interval_max=64)
+    av.stale_budget = 0
+    draft = ModelDraft(self_draft(tiny_target, 1), GREEDY, 0, "self:1")
+    forwards = _count_forwards(draft)
+    engine = SpeculativeEngine(tiny_target, draft, GREEDY, L, "chain", adaptive=av)
+    results = engine.generate(PROMPTS, 20, batch_size=4)
+    assert [r.output_ids for r in results] == [naive_greedy(tiny_target.model, p, 20) for p in PROMPTS]
+    assert forwards == []  # after start()'s prompt prefill: no draft forward while off
+    assert av.rounds_off == 20 and av.probe_rounds == 0 and av.verified == 0
+
+
+def test_probes_back_off_while_speculation_does_not_pay(tiny_target):
+    """A steep cost: every probe leaves B* = 0, so the wait before the next one doubles up to the cap."""
+    L = 3
+    av = _av(L, STEEP, probe_interval=2, probe_interval_max=8)
+    draft = ModelDraft(self_draft(tiny_target, 2), GREEDY, 0, "self:2")
+    engine = SpeculativeEngine(tiny_target, draft, GREEDY, L, "chain", adaptive=av)
+    res = engine.generate([PROMPTS[0]], 60)[0]
+    drafted = [r.num_drafted for r in res.rounds]
+    assert drafted[0] == L  # no budget yet: the first round verifies everything
+    probes = [i for i, d in enumerate(drafted) if i > 0 and d > 0]
+    # off 2, probe, off 4, probe, off 8, probe, off 8, probe ...
+    assert probes[:4] == [3, 8, 17, 26], drafted
+    assert all(drafted[i] == 1 for i in probes)
+    assert av.probe_rounds == len(probes)
+
+
+def test_speculation_off_and_probes_follow_the_target_law():
+    """4000 sampled requests whose first token comes from a round with speculation off and whose second comes
+    from a probe round: the first two tokens follow the exact target law (chi-square)."""
+    params = SamplingParams(1.0)
+    model = tiny_llama(vocab=8, layers=2, seed=4, init_std=0.3)
+    target = loaded(model)
+    prompt = [1, 2, 3, 1, 2]
+    av = _av(2, FLAT, probe_interval=1)
+    av.stale_budget = 0
+    draft = ModelDraft(self_draft(target, 1), params, 2, "self:1")
+    n_req = 4000
+    results = SpeculativeEngine(target, draft, params, 2, "chain", seed=3, adaptive=av).generate(
+        [prompt] * n_req, 3, batch_size=n_req, seeds=list(range(n_req)))
+    assert av.rounds_off == 1 and av.probe_rounds == 1
+    assert all([r.num_drafted for r in res.rounds][:2] == [0, 1] for res in results)
+    assert sum(res.rounds[1].accepted for res in results) > 0, "the probe must accept drafts or it proves little"
+    assert_first_tokens_follow(results, _exact_joint(model, prompt, params, 2), n_req)
+
+
+def _drive_eagle(target, draft, histories, schedule, seed=0):
+    """Feed ``draft`` round by round as the engine does, with random target features; ``schedule[i]`` is the
+    max drafts of round i (0 defers the catch-up). Returns the q rows of position 1 of each drafting round."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden3 = 3 * target.model.config.hidden_size
+    draft.context_capacity = 256
+    draft.start(histories)
+    draft.observe_target(torch.randn(len(histories), max(len(h) for h in histories) - 1, hidden3, generator=gen))
+    histories = [list(h) for h in histories]
+    rows = []
+    for limit in schedule:
+        proposal = draft.propose(histories, torch.full((len(histories),), limit), target.vocab_size)
+        if limit:
+            rows.append(proposal.probs[:, 0].clone())
+        draft.observe_target(torch.randn(len(histories), 1, hidden3, generator=gen))  # slot 0's features
+        draft.commit(torch.zeros(len(histories), dtype=torch.int64))  # tau = 0: one token emitted per row
+        for i, h in enumerate(histories):
+            h.append((len(h) * 7 + i) % 32)  # the committed token (any fixed sequence)
+    return rows
+
+
+def test_deferred_eagle_catch_up_gives_the_q_rows_of_per_round_catch_up(tiny_target):
+    """The EAGLE head fed its pending (features, token) pairs in one chunk after rounds with speculation off gives
+    the same q rows as feeding them every round (float tolerance: one chunked forward vs single steps)."""
+    histories = [[3, 1, 4, 1, 5], [2, 7, 1], [9, 9, 9, 9, 9, 9, 9]]
+    every_round = [1] * 9
+    deferred = [1, 0, 0, 0, 1, 0, 0, 0, 1]
+    a = _drive_eagle(tiny_target, eagle(tiny_target, SamplingParams(1.0)), histories, every_round)
+    b = _drive_eagle(tiny_target, eagle(tiny_target, SamplingParams(1.0)), histories, deferred)
+    for j, i in enumerate(i for i, limit in enumerate(deferred) if limit):
+        torch.testing.assert_close(b[j], a[i], atol=1e-5, rtol=1e-5)
+    # a mixed round: row 1 drafts, rows 0 and 2 keep deferring; then all resume
+    mixed = eagle(tiny_target, SamplingParams(1.0))
+    per_row = [torch.tensor(s) for s in ([1, 0, 0, 1], [1, 1, 1, 1], [1, 0, 0, 1])]
+    c = _drive_eagle_rows(tiny_target, mixed, histories, per_row)
+    a4 = _drive_eagle(tiny_target, eagle(tiny_target, SamplingParams(1.0)), histories, [1] * 4)
+    torch.testing.assert_close(c[-1], a4[-1], atol=1e-5, rtol=1e-5)
+
+
+def _drive_eagle_rows(target, draft, histories, per_row):
+    """As :func:`_drive_eagle` with a per-row schedule (``per_row[r][i]``: max drafts of row r in round i)."""
+    gen = torch.Generator().manual_seed(0)
+    hidden3 = 3 * target.model.config.hidden_size
+    draft.context_capacity = 256
+    draft.start(histories)
+    draft.observe_target(torch.randn(len(histories), max(len(h) for h in histories) - 1, hidden3, generator=gen))
+    histories = [list(h) for h in histories]
+    rows = []
+    for i in range(len(per_row[0])):
+        limits = torch.tensor([int(s[i]) for s in per_row])
+        proposal = draft.propose(histories, limits, target.vocab_size)
+        rows.append(proposal.probs[:, 0].clone())
+        draft.observe_target(torch.randn(len(histories), 1, hidden3, generator=gen))
+        draft.commit(torch.zeros(len(histories), dtype=torch.int64))
+        for r, h in enumerate(histories):
+            h.append((len(h) * 7 + r) % 32)
+    return rows
+
+
+@pytest.mark.parametrize("costs", [FLAT, CostTable(target_ms=[1.0 + 0.3 * n for n in range(64)], draft_ms=[0.5])])
+@pytest.mark.parametrize("which", ["eagle", "self:1"])
+def test_adaptive_gbv_greedy_equals_target_only(tiny_target, costs, which):
+    n, L = 20, 3
+    prompts = [p for p in PROMPTS if len(p) > 1]
+    expected = [naive_greedy(tiny_target.model, p, n) for p in prompts]
+    draft = (eagle(tiny_target, subset=torch.arange(0, 32, 2)) if which == "eagle"
+             else ModelDraft(self_draft(tiny_target, 1), GREEDY, 0, "self:1"))
+    av = _av(L, costs)
+    engine = SpeculativeEngine(tiny_target, draft, GREEDY, L, "gbv", num_paths=2, adaptive=av)
+    results = engine.generate(prompts, n, batch_size=3)
+    assert [r.output_ids for r in results] == expected
+    assert av.rounds > 0
+
+
+def test_adaptive_gbv_sampled_output_follows_the_target_law():
+    """Caps that differ between requests (same feature, ties split by position then request) on GBV with K = 2
+    paths: the first two tokens of 4000 requests follow the exact target law."""
+    params = SamplingParams(1.0)
+    model = tiny_llama(vocab=8, layers=2, seed=4, init_std=0.3)
+    target = loaded(model)
+    prompt = [1, 2, 3, 1, 2]
+    av = _av(2, FLAT)
+    av.stale_budget = 5000  # of 8000 slots: 4000 position-1 slots, then 1000 requests' position 2
+    draft = ModelDraft(self_draft(target, 1), params, 2, "self:1")
+    n_req = 4000
+    results = SpeculativeEngine(target, draft, params, 2, "gbv", seed=3, num_paths=2, adaptive=av).generate(
+        [prompt] * n_req, 3, batch_size=n_req, seeds=list(range(n_req)))
+    first = [res.rounds[0].num_drafted for res in results]
+    assert set(first) == {1, 2}, "the caps must differ between requests"
+    assert any(res.rounds[0].accepted > 0 for res in results)
+    assert_first_tokens_follow(results, _exact_joint(model, prompt, params, 2), n_req)
+
+
+def test_speculation_switch(tiny_target):
+    n = 12
+    expected = [naive_greedy(tiny_target.model, p, n) for p in PROMPTS]
+    draft = ModelDraft(self_draft(tiny_target, 2), GREEDY, 0, "self:2")
+    forwards = _count_forwards(draft)
+    results = SpeculativeEngine(tiny_target, draft, GREEDY, 3, "chain", speculation="off").generate(PROMPTS, n)
+    assert [r.output_ids for r in results] == expected
+    assert all(r.num_drafted == 0 for res in results for r in res.rounds)
+    assert forwards == []  # after start()'s prefill the draft never runs
+    with pytest.raises(ValueError, match="speculation must be one of"):
+        SpeculativeEngine(tiny_target, draft, GREEDY, 3, speculation="sometimes")
+    with pytest.raises(ValueError, match="disagrees"):
+        SpeculativeEngine(tiny_target, draft, GREEDY, 3, adaptive=_av(3, FLAT), speculation="on")
+    with pytest.raises(ValueError, match="speculation must be 'auto' or 'on'"):
+        _av(3, FLAT, speculation="off")
+    with pytest.raises(ValueError, match="probe_interval"):
+        _av(3, FLAT, probe_interval=0)
+    with pytest.raises(ValueError, match="probe_depth"):
+        _av(3, FLAT, probe_depth=4)
+
+
+def test_gbv_requests_can_opt_out(tiny_target):
+    n = 12
+    prompts = [p for p in PROMPTS if len(p) > 1]
+    draft = ModelDraft(self_draft(tiny_target, 1), GREEDY, 0, "self:1")
+    engine = SpeculativeEngine(tiny_target, draft, GREEDY, 3, "gbv", num_paths=2)
+    requests = [Request(p, n, speculate=i != 1) for i, p in enumerate(prompts)]
+    engine.open_batch()
+    engine.join(requests)
+    while engine.num_active:
+        engine.step()
+    results = [r.result for r in requests]
+    assert [r.output_ids for r in results] == [naive_greedy(tiny_target.model, p, n) for p in prompts]
+    assert all(r.num_drafted == 0 for r in results[1].rounds)
+    assert any(r.num_drafted > 0 for r in results[0].rounds)
+
+
+def test_overhead_is_learnt_from_measured_rounds_and_changes_the_budget():
+    costs = CostTable(target_ms=[10.0, 11.0, 12.0], draft_ms=[3.0])
+    s = torch.tensor([[0.5, 0.2]], dtype=torch.float64)
+    # B=0 1/10, B=1 1.5/14, B=2 1.7/15: speculation pays by the table alone
+    assert choose_budget(s, costs, draft_steps=None, zero_is_off=True) == 2
+    # 10 ms more per speculating round than the table says, 0 for plain steps: 1/10 beats 1.7/25
+    assert choose_budget(s, costs, zero_is_off=True, overhead_ms=10.0, overhead_off_ms=0.0) == 0
+    av = _av(2, costs, online_overhead=True, overhead_weight=0.5)
+    av._predicted_ms, av._predicted_off = 12.0, False
+    av.record_round_time(22.0)
+    assert av.overhead_ms == {"on": 10.0, "off": None} and av._overhead("off") == 10.0  # off borrows on's
+    av._predicted_ms, av._predicted_off = 10.0, True
+    av.record_round_time(11.0)
+    assert av.overhead_ms["off"] == 1.0
+    av._predicted_ms, av._predicted_off = 12.0, False
+    av.record_round_time(14.0)
+    assert av.overhead_ms["on"] == pytest.approx(6.0)  # 10 + 0.5 * (2 - 10)
+    report = av.cost_model_error()
+    assert report["rounds"] == 3 and report["median_ratio"] == pytest.approx(14.0 / 12.0)  # median of 22/12, 11/10, 14/12
+    assert av.cost_samples[2] == (12.0, 14.0, 22.0)  # table, measured, table + learnt overhead at the time
+    assert not _av(2, costs)._overhead("on")
+
+
+def test_cost_model_records_predicted_and_measured_rounds(tiny_target):
+    av = _av(3, CostTable(target_ms=[1.0 + 0.1 * n for n in range(64)], draft_ms=[0.5]), online_overhead=True)
+    draft = ModelDraft(self_draft(tiny_target, 1), GREEDY, 0, "self:1")
+    SpeculativeEngine(tiny_target, draft, GREEDY, 3, "chain", adaptive=av).generate(PROMPTS, 10)
+    assert len(av.cost_samples) == av.rounds > 0
+    assert all(p > 0 and m > 0 for p, m, _ in av.cost_samples)
+    report = av.cost_model_error()
+    assert report["rounds"] == av.rounds and report["median_ratio"] > 0
+    assert _av(3, FLAT).cost_model_error()["rounds"] == 0
+
+
+@pytest.mark.parametrize("rule", ["chain", "gbv"])
+def test_eagle_with_speculation_off_and_probes_equals_target_only(tiny_target, rule):
+    """The EAGLE head's deferred catch-up through the engine: greedy output unchanged."""
+    n, L = 24, 3
+    prompts = [p for p in PROMPTS if len(p) > 1]
+    av = _av(L, FLAT, probe_interval=2)
+    av.stale_budget = 0
+    engine = SpeculativeEngine(tiny_target, eagle(tiny_target), GREEDY, L, rule, num_paths=2 if rule == "gbv" else 1,
+                               adaptive=av)
+    results = engine.generate(prompts, n, batch_size=3)
+    assert [r.output_ids for r in results] == [naive_greedy(tiny_target.model, p, n) for p in prompts]
+    assert av.rounds_off >= 2 and av.probe_rounds >= 1
+
+
+def test_draft_cost_by_depth_with_a_measured_first_position(tmp_path):
+    table = CostTable(target_ms=[1.0], draft_ms=[8.0, 10.0], draft_first_ms=[2.0, 3.0])
+    assert table.draft_depth_cost(1, 1, 7) == 2.0  # the catch-up and the first q row
+    assert table.draft_depth_cost(1, 4, 7) == pytest.approx(2.0 + 6.0 * 3 / 6)
+    assert table.draft_depth_cost(2, 7, 7) == 10.0 and table.draft_depth_cost(2, 0, 7) == 0.0
+    assert CostTable(target_ms=[1.0], draft_ms=[7.0]).draft_depth_cost(1, 2, 7) == 2.0  # no first: linear
+    table.save(tmp_path / "t.json")
+    assert CostTable.load(tmp_path / "t.json").draft_first_ms == [2.0, 3.0]
+    with pytest.raises(ValueError, match="draft_first_ms"):
+        CostTable(target_ms=[1.0], draft_ms=[7.0, 8.0], draft_first_ms=[1.0])
