@@ -338,7 +338,7 @@ class SpeculativeEngine:
 
         Raises:
             ValueError: an empty prompt, a negative ``max_new_tokens``, per-request penalties that differ from the
-                engine's, ``speculate=False`` with GBV, ``forced`` on an engine with a draft.
+                engine's, ``forced`` on an engine with a draft.
         """
         for req in requests:
             self._check_request(req)

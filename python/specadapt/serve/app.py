@@ -312,9 +312,6 @@ def _build_job(state: ServerState, body, prompt: list[int], sink) -> Job:
     if bad:
         raise APIError(400, f"stop_token_ids: {bad[0]} is outside the vocabulary of {state.vocab_size}",
                        "stop_token_ids")
-    if not body.speculate and state.engine.verify_name == "gbv":
-        raise APIError(400, "speculate: false needs --verify chain or block (GBV verifies K paths for every "
-                            "request)", "speculate")
     if body.seed is not None and not 0 <= body.seed < 2**63:
         raise APIError(400, f"seed must lie in [0, 2^63), got {body.seed}", "seed")
     seed = secrets.randbits(63) if body.seed is None else body.seed
