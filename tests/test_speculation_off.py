@@ -313,3 +313,26 @@ def test_draft_cost_by_depth_with_a_measured_first_position(tmp_path):
     assert CostTable.load(tmp_path / "t.json").draft_first_ms == [2.0, 3.0]
     with pytest.raises(ValueError, match="draft_first_ms"):
         CostTable(target_ms=[1.0], draft_ms=[7.0, 8.0], draft_first_ms=[1.0])
+
+
+def test_off_round_fast_path_equals_the_general_plan():
+    """A round with speculation off skips the estimator and budget work; the state it leaves (next B*, probe
+    schedule, counters, the costed round) is the one the general plan computes from the empty proposal."""
+    import copy
+
+    av = _av(4, STEEP, online_overhead=True)
+    av.stale_budget = 0
+    av.record_round_time(1.0)
+    for _ in range(3):
+        assert av.round_draft_limit() == 0
+        twin = copy.deepcopy(av)
+        empty, drafts = torch.zeros(5, 0), torch.zeros(5, dtype=torch.int64)
+        fast = av.plan_features(empty, drafts)
+        slow = twin._plan_general(empty, drafts)
+        assert torch.equal(fast[0], slow[0]) and fast[1].shape == slow[1].shape == (5, 0)
+        for name in ("stale_budget", "_probe_wait", "_off_streak", "pruned", "verified", "_predicted_ms",
+                     "_predicted_off", "_learn_round", "_round_limit", "_probing", "rounds_off"):
+            assert getattr(av, name) == getattr(twin, name), name
+        av.record_round_time(2.0)
+        twin.record_round_time(2.0)
+        assert av.overhead_ms == twin.overhead_ms and av.cost_samples == twin.cost_samples
