@@ -13,7 +13,9 @@ tokens were emitted; tokens/s = emitted tokens / wall time (prefills of joining 
 one (dataset, batch) decodes the same prompt sequence with the same seeds. The cost table of adaptive
 verification is profiled once per batch size on the forward in use, as the engine does at start-up.
 
-Reports per cell: tokens/s, speedup over target-only, acceptance length (tokens per request-round), for AV the
+Reports the machine's copy bandwidth and fp32 GEMM rate measured in the same run and the weight floor of one
+target step (its weight bytes at the copy rate); per cell: tokens/s, speedup over target-only, ms per round and
+its ratio to the weight floor, acceptance length (tokens per request-round), for AV the
 share of rounds with speculation off, probe rounds, and the cost model's error against the measured round times;
 per (dataset, batch) AV / max(target-only, best fixed L). Cells where that ratio is within ``--close-margin`` of 1
 are re-run ``--repeats-close`` times in total (AV and the reference) and reported as median and spread. A looping
@@ -27,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -41,6 +42,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "python"))
 
+from specadapt.bench.forward import measure_machine  # noqa: E402
 from specadapt.budget import CostTable  # noqa: E402
 from specadapt.cli.engine_args import _tokenize, load_target_and_draft  # noqa: E402
 from specadapt.datasets import load_prompts  # noqa: E402
@@ -51,16 +53,6 @@ from specadapt.estimator import AcceptanceEstimator  # noqa: E402
 from specadapt.sampling import SamplingParams  # noqa: E402
 
 LOOP_PROMPT = ("Write the word 'apple' one hundred times, separated by commas, and nothing else.")
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def run_cell(engine, prompts, batch, budget_tokens, max_new, seed):
@@ -91,6 +83,7 @@ def run_cell(engine, prompts, batch, budget_tokens, max_new, seed):
     seconds = time.perf_counter() - start
     engine.close_batch()
     return {"tokens": emitted, "seconds": seconds, "tokens_per_s": emitted / seconds, "rounds": rounds,
+            "ms_per_round": 1e3 * seconds / max(rounds, 1),
             "acceptance_length": emitted / max(row_rounds, 1), "requests_finished": finished}
 
 
@@ -151,8 +144,15 @@ def main() -> int:
     sampling = SamplingParams(args.temperature, args.top_p)
     target, draft = load_target_and_draft(args.model, args.draft, sampling, args.seed, args.dtype, "cpu",
                                           forward=args.forward)
-    machine = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-               "forward": target.forward_name, "weights": target.weight_format}
+    limits = measure_machine("cpu")  # the machine's own limits, measured in this run
+    weight_bytes = target.native.weight_bytes if target.native is not None else None
+    machine = {"cpu": limits["name"], "threads": torch.get_num_threads(), "torch": torch.__version__,
+               "forward": target.forward_name, "weights": target.weight_format,
+               "copy_gbps": limits["copy_gbps"], "gemm_fp32_gflops": limits["gemm_fp32_gflops"],
+               "weight_mb": None if weight_bytes is None else weight_bytes / 1e6,
+               # one target step reads every weight once: its floor at the measured copy byte rate (as
+               # specadapt.bench.forward computes it)
+               "weight_floor_ms": None if weight_bytes is None else weight_bytes / (limits["copy_gbps"] * 1e6)}
     print(f"machine: {machine}", flush=True)
     settings = [("target-only", 0, False)] + [(f"L={L}", L, False) for L in args.fixed_l]
     settings.append((f"AV L={args.adaptive_l}", args.adaptive_l, True))
@@ -219,16 +219,22 @@ def main() -> int:
                                prompt, batch, args)
                 cell["dataset"] = "loop"
                 loop_rows.append(cell)
+    floor = (f"; weights {machine['weight_mb']:.0f} MB, one target step's weight floor "
+             f"{machine['weight_floor_ms']:.2f} ms" if machine["weight_floor_ms"] else "")
     lines = [f"Machine: {machine['cpu']}, {machine['threads']} threads, torch {machine['torch']}, "
-             f"{machine['forward']} forward, {machine['weights']} weights.", "",
-             "| dataset | batch | setting | tok/s | speedup | acc. length | rounds off | cost model (measured / predicted) |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"{machine['forward']} forward, {machine['weights']} weights; measured in this run: copy "
+             f"{machine['copy_gbps']:.1f} GB/s, fp32 GEMM {machine['gemm_fp32_gflops']:.0f} GFLOP/s{floor}.", "",
+             "| dataset | batch | setting | tok/s | speedup | acc. length | ms / round (x weight floor) | rounds off | cost model (measured / predicted) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows + loop_rows:
         off = f"{100 * r['rounds_off_share']:.0f}% ({r['probe_rounds']} probes)" if "rounds_off_share" in r else ""
         cm = f"{r['cost_model']['median_ratio']:.2f}" if "cost_model" in r else ""
         speed = f"{r['speedup']:.2f}" if "speedup" in r else ""
+        ms = f"{r['ms_per_round']:.1f}"
+        if machine["weight_floor_ms"]:
+            ms += f" ({r['ms_per_round'] / machine['weight_floor_ms']:.1f}x)"
         lines.append(f"| {r['dataset']} | {r['batch_size']} | {r['setting']} | {r['tokens_per_s']:.1f} | {speed} | "
-                     f"{r['acceptance_length']:.2f} | {off} | {cm} |")
+                     f"{r['acceptance_length']:.2f} | {ms} | {off} | {cm} |")
     lines += ["", "| dataset | batch | reference (best of target-only, fixed L) | AV / reference | runs | rounds off |",
               "|---|---|---|---|---|---|"]
     for e in summary:

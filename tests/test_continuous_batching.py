@@ -156,22 +156,16 @@ def test_speculation_off_for_one_request_is_target_only_decoding():
     """A request with ``speculate=False`` verifies no drafts and decodes exactly what target-only decoding with
     its seed decodes (the same final coins), while the others in the batch speculate."""
     target = _target("native")
-    engine = _engine(target, "eagle", "block")
-    off = Request(PROMPTS[0], 24, 11, speculate=False)
-    on = Request(PROMPTS[2], 24, 12)
-    _run_schedule(engine, [off, on], {0: [0, 1]})
-    assert all(r.num_drafted == 0 for r in off.result.rounds)
-    assert any(r.num_drafted > 0 for r in on.result.rounds)
     base = _engine(target, "none", "chain").generate([PROMPTS[0]], 24, seeds=[11])[0]
-    assert off.result.output_ids == base.output_ids
-    # GBV: the opted-out request gets cap 0 (its next token straight from the target, with the final coin)
-    gbv = _engine(target, "self:1", "gbv")
-    off_gbv = Request(PROMPTS[0], 24, 11, speculate=False)
-    on_gbv = Request(PROMPTS[2], 24, 12)
-    _run_schedule(gbv, [off_gbv, on_gbv], {0: [0, 1]})
-    assert all(r.num_drafted == 0 for r in off_gbv.result.rounds)
-    assert any(r.num_drafted > 0 for r in on_gbv.result.rounds)
-    assert off_gbv.result.output_ids == base.output_ids
+    # GBV too: the opted-out request gets cap 0 (its next token straight from the target, with the final coin)
+    for kind, rule in [("eagle", "block"), ("self:1", "gbv")]:
+        engine = _engine(target, kind, rule)
+        off = Request(PROMPTS[0], 24, 11, speculate=False)
+        on = Request(PROMPTS[2], 24, 12)
+        _run_schedule(engine, [off, on], {0: [0, 1]})
+        assert all(r.num_drafted == 0 for r in off.result.rounds), rule
+        assert any(r.num_drafted > 0 for r in on.result.rounds), rule
+        assert off.result.output_ids == base.output_ids, rule
 
 
 def test_stop_tokens_end_a_request_inside_an_accepted_block():

@@ -84,6 +84,7 @@ def test_av_sweep_cell_refills_at_eos_and_reference():
     # 2 rows x 2 tokens per step: 5 steps reach 20 tokens; rows finish at step 3 and are refilled
     assert cell["tokens"] == 20 and cell["rounds"] == 5 and cell["requests_finished"] == 2
     assert cell["acceptance_length"] == 2.0 and engine.opened == 0
+    assert cell["ms_per_round"] == pytest.approx(1e3 * cell["seconds"] / 5)
     assert [r.seed for r in engine.joined] == [100, 101, 102, 103]
     assert [list(r.prompt) for r in engine.joined] == [[5], [6, 7], [5], [6, 7]]
     cells = [{"setting": "target-only", "tokens_per_s": 10.0}, {"setting": "L=1", "tokens_per_s": 12.0},

@@ -126,24 +126,10 @@ def test_speculation_off_and_probes_follow_the_target_law():
 
 
 def _drive_eagle(target, draft, histories, schedule, seed=0):
-    """Feed ``draft`` round by round as the engine does, with random target features; ``schedule[i]`` is the
-    max drafts of round i (0 defers the catch-up). Returns the q rows of position 1 of each drafting round."""
-    gen = torch.Generator().manual_seed(seed)
-    hidden3 = 3 * target.model.config.hidden_size
-    draft.context_capacity = 256
-    draft.start(histories)
-    draft.observe_target(torch.randn(len(histories), max(len(h) for h in histories) - 1, hidden3, generator=gen))
-    histories = [list(h) for h in histories]
-    rows = []
-    for limit in schedule:
-        proposal = draft.propose(histories, torch.full((len(histories),), limit), target.vocab_size)
-        if limit:
-            rows.append(proposal.probs[:, 0].clone())
-        draft.observe_target(torch.randn(len(histories), 1, hidden3, generator=gen))  # slot 0's features
-        draft.commit(torch.zeros(len(histories), dtype=torch.int64))  # tau = 0: one token emitted per row
-        for i, h in enumerate(histories):
-            h.append((len(h) * 7 + i) % 32)  # the committed token (any fixed sequence)
-    return rows
+    """:func:`_drive_eagle_rows` with one schedule for every row; returns the q rows of the drafting rounds only."""
+    per_row = [torch.tensor(schedule)] * len(histories)
+    rows = _drive_eagle_rows(target, draft, histories, per_row, seed)
+    return [q for q, limit in zip(rows, schedule) if limit]
 
 
 def test_deferred_eagle_catch_up_gives_the_q_rows_of_per_round_catch_up(tiny_target):
@@ -164,9 +150,11 @@ def test_deferred_eagle_catch_up_gives_the_q_rows_of_per_round_catch_up(tiny_tar
     torch.testing.assert_close(c[-1], a4[-1], atol=1e-5, rtol=1e-5)
 
 
-def _drive_eagle_rows(target, draft, histories, per_row):
-    """As :func:`_drive_eagle` with a per-row schedule (``per_row[r][i]``: max drafts of row r in round i)."""
-    gen = torch.Generator().manual_seed(0)
+def _drive_eagle_rows(target, draft, histories, per_row, seed=0):
+    """Feed ``draft`` round by round as the engine does, with random target features; ``per_row[r][i]`` is the
+    max drafts of row r in round i (0 defers its catch-up). Returns the q rows of position 1 of every round
+    (``None`` for a round in which no row drafted)."""
+    gen = torch.Generator().manual_seed(seed)
     hidden3 = 3 * target.model.config.hidden_size
     draft.context_capacity = 256
     draft.start(histories)
@@ -176,10 +164,10 @@ def _drive_eagle_rows(target, draft, histories, per_row):
     for i in range(len(per_row[0])):
         limits = torch.tensor([int(s[i]) for s in per_row])
         proposal = draft.propose(histories, limits, target.vocab_size)
-        rows.append(proposal.probs[:, 0].clone())
-        draft.observe_target(torch.randn(len(histories), 1, hidden3, generator=gen))
-        draft.commit(torch.zeros(len(histories), dtype=torch.int64))
-        for r, h in enumerate(histories):
+        rows.append(proposal.probs[:, 0].clone() if proposal.probs.shape[1] else None)
+        draft.observe_target(torch.randn(len(histories), 1, hidden3, generator=gen))  # slot 0's features
+        draft.commit(torch.zeros(len(histories), dtype=torch.int64))  # tau = 0: one token emitted per row
+        for r, h in enumerate(histories):  # the committed token (any fixed sequence)
             h.append((len(h) * 7 + r) % 32)
     return rows
 

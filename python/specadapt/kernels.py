@@ -16,6 +16,7 @@ import torch
 
 from .verification import VERIFY_RULES, VerifyOutput
 from .verification.block import residual_mass_reference
+from .verification.common import sample_from_unnormalized
 from .verification.gbv import GBVOutput, gbv_verify as gbv_verify_reference
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,6 @@ __all__ = [
     "verify",
     "gbv_verify",
     "gbv_verify_capped",
-    "sample_inverse_cdf",
     "IMPLEMENTATIONS",
     "choose_implementation",
     "irls_accumulate",
@@ -351,7 +351,8 @@ def gbv_verify_capped(
     for cap in sorted(set(caps_host.tolist())):
         rows = (caps_host == cap).nonzero().squeeze(1).to(device)
         if cap == 0:  # nothing verified: the next token straight from the target
-            output[rows, 0] = sample_inverse_cdf(target_probs[rows, 0, 0], uniforms_final[rows]).to(torch.int32)
+            p = target_probs[rows, 0, 0].double()
+            output[rows, 0] = sample_from_unnormalized(p, p, uniforms_final[rows].double()).to(torch.int32)
             continue
         part = gbv_verify(candidates[rows, :, : cap + 1].contiguous(), target_probs[rows, :, : cap + 1].contiguous(),
                           draft_probs[rows, :, :cap].contiguous(), uniforms[rows, :cap].contiguous(),
@@ -360,14 +361,6 @@ def gbv_verify_capped(
         output[rows, : cap + 1] = part.output_tokens.to(torch.int32)
         chosen[rows] = part.chosen_path.to(torch.int32)
     return GBVOutput(accept_len, output, chosen)
-
-
-def sample_inverse_cdf(probs: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sample of each row of ``probs [B, V]`` (normalised here, float64) with ``coins [B]`` in [0, 1):
-    ``[B] int64`` token ids."""
-    cdf = probs.double().cumsum(-1)
-    cdf = cdf / cdf[:, -1:].clamp_min(1e-300)
-    return torch.searchsorted(cdf, coins.double()[:, None].to(cdf.device)).clamp_max(probs.shape[-1] - 1).squeeze(1)
 
 
 def irls_accumulate(

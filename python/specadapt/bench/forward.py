@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import logging
 import platform
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
+
+from ..timing import median_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -44,17 +45,6 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _median_seconds(fn, repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def measure_machine(device: str = "cpu") -> dict:
     """Copy / read bandwidth (GB/s) and float32 / bfloat16 GEMM rates (GFLOP/s) of ``device``, plus its name."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
@@ -65,7 +55,7 @@ def measure_machine(device: str = "cpu") -> dict:
         def run():
             fn()
             sync()
-        return _median_seconds(run, 7)
+        return median_seconds(run, 7)
 
     copy = 2 * x.numel() * 4 / timed(lambda: y.copy_(x)) / 1e9
     read = x.numel() * 4 / timed(lambda: x.sum()) / 1e9
@@ -207,7 +197,7 @@ def run_forward_benchmark(
                             cache.truncate(start)
 
                         phases = _phase_ms(step) if (b == 1 and q in (1, 6) and c == contexts[0]) else None
-                        add("target", "native", b, q, c, _median_seconds(step, repeats), native.weight_bytes, params,
+                        add("target", "native", b, q, c, median_seconds(step, repeats), native.weight_bytes, params,
                             kv(b, c), phases=phases)
                     del cache
                 if head is not None and "native" in forwards:
@@ -225,7 +215,7 @@ def run_forward_benchmark(
                         sum(w.rows * w.cols for w in (native_head.stack.layers[0].qkv, native_head.stack.layers[0].o,
                                                       native_head.stack.layers[0].gate_up,
                                                       native_head.stack.layers[0].down))
-                    add("draft", "native", b, 1, c, _median_seconds(draft_step, repeats), native_head.weight_bytes,
+                    add("draft", "native", b, 1, c, median_seconds(draft_step, repeats), native_head.weight_bytes,
                         head_params, _kv_bytes(1, native.num_kv_heads, native.head_dim, b, c, entry))
                     del cache
         if "native-compiled" in forwards and fmt in ("float32", "bfloat16"):
@@ -256,7 +246,7 @@ def run_forward_benchmark(
                         cfg = model.config
                         kv_heads = int(getattr(cfg, "num_key_value_heads", cfg.num_attention_heads))
                         dim = cfg.hidden_size // cfg.num_attention_heads
-                        add("target", "hf", b, q, c, _median_seconds(hf_step, max(3, repeats // 3)), weight_bytes,
+                        add("target", "hf", b, q, c, median_seconds(hf_step, max(3, repeats // 3)), weight_bytes,
                             n_params, _kv_bytes(cfg.num_hidden_layers, kv_heads, dim, b, c, entry))
                         del cache
             loaded.model.to(torch.float32)
@@ -299,7 +289,7 @@ def _time_compiled(native, batch: int, query: int, context: int, repeats: int):
         start = time.perf_counter()
         compiled()
         compile_seconds = time.perf_counter() - start
-        return _median_seconds(compiled, repeats), compile_seconds
+        return median_seconds(compiled, repeats), compile_seconds
     except Exception as exc:  # a compile failure is a result to report, not a crash of the sweep
         logger.warning("torch.compile of the native forward failed: %s: %s", type(exc).__name__, exc)
         return None, None

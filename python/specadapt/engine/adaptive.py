@@ -7,13 +7,12 @@ Pruned drafts are never sent to the target (they are holes of the ragged verify 
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 
 import torch
 
 from ..budget import CostTable
 from ..budget.adaptive import AdaptiveVerification
+from ..timing import median_seconds
 from .drafts import Draft, NoDraft, NgramDraft
 
 logger = logging.getLogger(__name__)
@@ -45,14 +44,7 @@ def _interpolate(sizes: list[int], values: list[float], largest: int) -> list[fl
 
 
 def _median_ms(fn, repeats: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
+    return 1e3 * median_seconds(fn, repeats, warmup)
 
 
 def profile_engine_costs(target, draft: Draft | None, max_tokens: int, max_requests: int, num_drafts: int,

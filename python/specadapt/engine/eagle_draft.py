@@ -112,7 +112,7 @@ class EagleDraft(Draft):
         feats = self._pending[:, :width]
         out = self.kv.forward(ids, counts, return_outputs=True, features=feats)
         last = (counts - 1).clamp_min(0)
-        rows = torch.arange(batch)  # (the ``rows`` mask is ``fed`` from here on)
+        index = torch.arange(batch)
         for r in range(batch):
             c = int(counts[r])
             if c:
@@ -121,7 +121,7 @@ class EagleDraft(Draft):
         left = pending - counts  # deferred rows keep their pairs, at the front of the buffer
         self._pending = None if not bool(left.any()) else self._pending
         self._pending_counts = left
-        return out.hidden[rows, last], out.logits[rows, last].float(), self.kv.lengths.cpu() > 0
+        return out.hidden[index, last], out.logits[index, last].float(), self.kv.lengths.cpu() > 0
 
     def _sample(self, logits: torch.Tensor, coins: torch.Tensor, history=None):
         """Sample ``n`` tokens per row of the head's logits ``[R, Vd]`` (over ``head.draft_vocab``) with
@@ -238,9 +238,11 @@ class EagleDraft(Draft):
             grown = buffer.new_zeros(buffer.shape[0], max(need, 2 * buffer.shape[1]), buffer.shape[2])
             grown[:, : buffer.shape[1]] = buffer
             buffer = grown
-        for r, (o, c) in enumerate(zip(old_counts.tolist(), counts.tolist())):
-            if c:
-                buffer[r, o : o + c] = features[r, :c].to(buffer.dtype)
+        width = int(counts.max())
+        offsets = torch.arange(width)
+        new = offsets[None, :] < counts[:, None]  # [B, width]: the pairs this round adds
+        row_index = torch.arange(buffer.shape[0])[:, None].expand_as(new)
+        buffer[row_index[new], (old_counts[:, None] + offsets[None, :])[new]] = features[:, :width][new].to(buffer.dtype)
         self._pending = buffer
         self._pending_counts = total
 
