@@ -50,7 +50,8 @@ def test_engine_student_example_logits_cover_the_supervised_positions(tiny_targe
         student = draft.tts_student()
         draft.start([[1, 2, 3, 4], [5, 6]])
         if isinstance(draft, EagleDraft):  # the head's context is its recent (feature, token) pairs
-            draft.recent_features = [torch.randn(3, draft.head.fuse.in_features), torch.randn(2, draft.head.fuse.in_features)]
+            width = draft.head.fuse.in_features
+            draft.recent_features = [torch.randn(3, width), torch.randn(2, width)]
             draft.recent_tokens = [torch.tensor([2, 3, 4]), torch.tensor([5, 6])]
         examples = [TTSExample(teacher=torch.zeros(c, 1), weights=torch.ones(c),
                                context=student.context(r, h, 8), drafts=torch.tensor([7, 8, 9][:c]))
@@ -126,12 +127,14 @@ def test_distillation_loss_is_tts_loss_over_the_collated_examples():
     g = torch.Generator().manual_seed(1)
     student = _LinearStudent(5)
     assert isinstance(student, Student) and list(student.shared()) == []  # the protocol's default
-    examples = [TTSExample(teacher=torch.softmax(torch.randn(c, 5, generator=g), -1), weights=torch.rand(c, generator=g),
+    examples = [TTSExample(teacher=torch.softmax(torch.randn(c, 5, generator=g), -1),
+                           weights=torch.rand(c, generator=g),
                            proximal=torch.softmax(torch.randn(c, 5, generator=g), -1), tokens=torch.arange(c))
                 for c in (3, 1)]
     got = distillation_loss(student, student.module, examples, 0.7, 0.4)
     batch = collate(examples)
-    want = tts_loss(student.example_logits(student.module, examples), batch.teacher, batch.weights, 0.7, batch.proximal, 0.4)
+    logits = student.example_logits(student.module, examples)
+    want = tts_loss(logits, batch.teacher, batch.weights, 0.7, batch.proximal, 0.4)
     assert torch.equal(got, want)
     no_prox = [TTSExample(teacher=ex.teacher, weights=ex.weights, tokens=ex.tokens) for ex in examples]
     assert torch.equal(distillation_loss(student, student.module, no_prox, 0.7, 0.4),
