@@ -43,6 +43,6 @@ def test_cuda_tts_publish_reaches_native_weights():
     with torch.no_grad():
         for p in draft.model.model.layers.parameters():
             p.add_(0.05)
-    draft.tts_refresh()
+    draft.tts_student().refresh()
     after = [t for t in draft.native._op_tensors if t is not None]
     assert any(not torch.equal(a, b) for a, b in zip(after, before))

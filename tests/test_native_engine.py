@@ -128,7 +128,7 @@ def test_tts_publishes_reach_the_native_weights_in_place():
     with torch.no_grad():
         for p in draft.model.model.layers.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    draft.tts_refresh()
+    draft.tts_student().refresh()
     after = SlotKVCache(draft.native, 1, 16).forward(ids, counts)
     fresh = SlotKVCache(NativeLlama.from_hf(draft.model, "float32"), 1, 16).forward(ids, counts)
     assert not torch.allclose(before, after)

@@ -412,9 +412,9 @@ def test_tts_topk_snapshots_densify_to_the_truncated_teacher():
     for a, c in zip(full, cut):
         values, index = top_k_rows(a.teacher, 3)
         assert c.teacher.shape == (a.teacher.shape[0], 3) and torch.equal(c.teacher_index, index)
-        assert torch.equal(c.teacher, values) and c.nbytes() < a.nbytes()
-        if a.drafted is not None:
-            assert c.drafted_index is not None and c.drafted.shape[-1] == 3
+        assert torch.equal(c.teacher, values) and c.nbytes < a.nbytes
+        if a.proximal is not None:
+            assert c.proximal_index is not None and c.proximal.shape[-1] == 3
     assert losses[10_000] == losses[0] and math.isfinite(losses[3]) and losses[3] != losses[0]
     with pytest.raises(PluginConfigError, match="--tts-topk"):
         PluginConfig(tts=True, tts_topk=-1)

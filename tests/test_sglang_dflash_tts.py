@@ -101,7 +101,7 @@ def test_context_and_block_examples_follow_the_worker_calls():
     logits = torch.randn(8, VOCAB)
     tts.record_block(["a", "b"], candidates, logits, torch.tensor([[1.0], [0.5]]), torch.tensor([2, 0]))
     ex_a, ex_b = tts._pending
-    assert ex_a.block.tolist() == [7, MASK, MASK, MASK] and ex_b.block.tolist() == [5, MASK, MASK, MASK]
+    assert ex_a.tokens.tolist() == [7, MASK, MASK, MASK] and ex_b.tokens.tolist() == [5, MASK, MASK, MASK]
     assert torch.equal(ex_a.features, prompt[:3]) and ex_a.accepted == 2 and ex_b.accepted == 0
     # output j predicts the block's token j: teacher = the target's verify row j - 1 (temperature applied),
     # kept up to the first rejection plus one (tau + 1 rows)

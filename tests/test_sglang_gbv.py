@@ -389,7 +389,7 @@ def test_tts_learns_from_the_chosen_gbv_path():
             path = [0] + [1 + d * k + c for d in range(depth)]
             assert ex.tokens.tolist() == base["candidates"][i, path[:depth]].tolist()
             assert torch.allclose(ex.teacher, base["target"][i, path[:depth]], atol=1e-5)
-            assert torch.allclose(ex.drafted[1], q_law(_with_root(base["chains"][i, c, :1][None]))[0], atol=1e-6)
+            assert torch.allclose(ex.proximal[1], q_law(_with_root(base["chains"][i, c, :1][None]))[0], atol=1e-6)
             assert ex.accepted == int(accept_lens[i]) - 1
             committed = [int(t) for _, t in tts.history[f"r{i}"]]
             assert committed == base["candidates"][i, path[: ex.accepted + 1]].tolist()

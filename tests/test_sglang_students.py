@@ -236,7 +236,7 @@ def test_standalone_tts_rounds_publish_in_place_without_target_features(params):
                                 sampling_info=SimpleNamespace(temperatures=torch.ones(batch, 1)))
             eagle_sample_around(lambda vi, bb, lo: (None, torch.tensor([3, 1]), None), verify_input, b, logits_output)
             ex = tts._pending[-1]
-            assert ex.features.shape[-1] == 0 and ex.teacher.shape == (slots - 1, vocab) and ex.drafted is None
+            assert ex.features.shape[-1] == 0 and ex.teacher.shape == (slots - 1, vocab) and ex.proximal is None
         assert tts.updater.stats.publishes >= 2 and tts.updater.stats.updates >= 2
         assert layer_w.data_ptr() == ptr
         changes = [not torch.equal(seen[i], seen[i + 1]) for i in range(len(seen) - 1)]

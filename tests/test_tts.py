@@ -239,6 +239,7 @@ def test_student_forward_reproduces_the_rows_the_round_was_drafted_from(tiny_tar
                     tts.updater.shadow.get_parameter(name).copy_(p)
         tts.start_batch = lambda batch: setattr(tts.slots, "rows", torch.arange(batch))
     checked = []
+    student = tts.student
     original = tts.updater.end_round
 
     def checking(examples, acceptance):
@@ -248,7 +249,7 @@ def test_student_forward_reproduces_the_rows_the_round_was_drafted_from(tiny_tar
 
                 find_lora_slots(draft.model).rows = torch.tensor([ex.slot])
             with torch.no_grad():
-                logits = draft.tts_student_logits(draft.model, ex.context, ex.drafts)
+                logits = student.logits_one(draft.model, ex.context, ex.drafts)
             q = torch.softmax(logits.float() / params.temperature, -1)
             torch.testing.assert_close(q, ex.proximal, atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(ex.teacher.sum(-1), torch.ones(ex.teacher.shape[0]))
@@ -276,7 +277,7 @@ def test_student_forward_reproduces_the_rows_the_round_was_drafted_from(tiny_tar
     )
     tts.close()
     assert len(checked) > 10
-    batched = getattr(draft, "tts_student_logits_batch", None)
+    batched = getattr(student, "logits_batch", None)
     if batched is not None:  # the padded one-pass version equals the per-example forwards
         batch = checked[:12]
         drafts = [ex.drafts[: 1 + i % ex.drafts.shape[0]] for i, ex in enumerate(batch)]  # ragged C
@@ -289,7 +290,7 @@ def test_student_forward_reproduces_the_rows_the_round_was_drafted_from(tiny_tar
             if scope == "request":
                 find_lora_slots(draft.model).rows = torch.tensor([ex.slot])
             with torch.no_grad():
-                alone = draft.tts_student_logits(draft.model, ex.context, drafts[i])
+                alone = student.logits_one(draft.model, ex.context, drafts[i])
             torch.testing.assert_close(together[i, : drafts[i].shape[0]], alone, atol=1e-4, rtol=1e-4)
 
 

@@ -130,6 +130,11 @@ class Draft:
         A draft without per-row state needs nothing here (``row_seeds`` is extended by the engine).
         """
 
+    def tts_student(self):
+        """The :class:`~specadapt.engine.tts_students.EngineStudent` Test-Time Speculation trains for this draft,
+        or ``None`` (the default: a draft without trainable layers, e.g. ``ngram`` or target-only)."""
+        return None
+
     #: Per-request sampling settings of the rows (continuous batching with per-request parameters), set by the
     #: engine before every proposal, or ``None`` when every row uses :attr:`sampling`.
     row_sampling = None
@@ -374,31 +379,11 @@ class ModelDraft(Draft):
         # a prefill at start)
         self.kv.add_rows(len(histories))
 
-    # ---- Test-Time Speculation hooks (see engine/tts_bridge.py) ---------------------------------------------
-    tts_trainable_prefixes = ("model.layers",)  # the draft's own decoder layers; embeddings / norm / head frozen
+    def tts_student(self):
+        """Test-Time Speculation trains this draft's decoder layers (:class:`~.tts_students.ModelDraftStudent`)."""
+        from .tts_students import ModelDraftStudent
 
-    def tts_refresh(self) -> None:
-        """After a publish: re-pack the trained layers into the native forward's storage (in place)."""
-        if self.native is not None:
-            self.native.refresh_from(self.model)
-
-    def tts_shared(self) -> list:
-        return []
-
-    def tts_vocab(self):
-        return None
-
-    def tts_context(self, row: int, history: list[int], window: int) -> torch.Tensor:
-        """The last ``window`` committed tokens of request ``row`` (``[w] int64``)."""
-        return torch.tensor(history[-window:], dtype=torch.int64)
-
-    @staticmethod
-    def tts_student_logits(module: torch.nn.Module, context: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
-        """Differentiable teacher-forced forward: ``[C, V]`` logits that gave ``q_1..q_C``."""
-        device = next(module.parameters()).device
-        ids = torch.cat([context, drafts[:-1]])[None].to(device)
-        # the last C positions of ids are the last context token and d_1..d_{C-1}: they give q_1..q_C
-        return module(input_ids=ids, use_cache=False, logits_to_keep=drafts.shape[0]).logits[0]
+        return ModelDraftStudent(self)
 
 
 def _step_history(counts, sampling: SamplingParams):

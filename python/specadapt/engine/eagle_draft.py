@@ -289,85 +289,8 @@ class EagleDraft(Draft):
         self.recent_features += [torch.zeros(0, hidden3) for _ in range(count)]
         self.recent_tokens += [torch.zeros(0, dtype=torch.int64) for _ in range(count)]
 
-    # ---- Test-Time Speculation hooks (see engine/tts_bridge.py) ---------------------------------------------
-    tts_trainable_prefixes = ("fuse", "input_proj", "layer")
+    def tts_student(self):
+        """Test-Time Speculation trains the head (:class:`~.tts_students.EagleDraftStudent`)."""
+        from .tts_students import EagleDraftStudent
 
-    def tts_refresh(self) -> None:
-        """After a publish: re-pack the trained head into the native forward's storage (in place)."""
-        if self.native is not None:
-            self.native.refresh_from(self.head)
-
-    def tts_shared(self) -> list:
-        """Objects a TTS shadow copy must share: the target's embedding / norm / LM-head rows."""
-        return [self.head._shared]
-
-    def tts_vocab(self) -> torch.Tensor:
-        return self.head.draft_vocab.cpu()
-
-    def tts_context(self, row: int, history: list[int], window: int):
-        """The last ``window`` real (feature, token) pairs of request ``row`` (they end with the round's slot 0)."""
-        return self.recent_features[row][-window:], self.recent_tokens[row][-window:]
-
-    @staticmethod
-    def tts_student_logits(module: EagleHead, context, drafts: torch.Tensor) -> torch.Tensor:
-        """Differentiable re-run of the round's drafting: ``[C, Vd]`` logits that gave ``q_1..q_C``."""
-        from transformers import DynamicCache
-
-        features, tokens = context
-        device = module.fuse.weight.device
-        cache = DynamicCache(config=module.config)
-        out = module(tokens[None].to(device), features[None].to(device), cache=cache, use_cache=True, logits_to_keep=1)
-        g, logits = out.hidden[:, -1:], [out.logits[0, -1]]
-        position = tokens.shape[0]
-        for k in range(1, drafts.shape[0]):
-            step = module(
-                drafts[k - 1].view(1, 1).to(device), g, position_ids=torch.tensor([[position]], device=device),
-                cache=cache, use_cache=True,
-            )
-            g = step.hidden[:, -1:]
-            logits.append(step.logits[0, -1])
-            position += 1
-        return torch.stack(logits)
-
-    @staticmethod
-    def tts_student_logits_batch(module: EagleHead, contexts: list, drafts: list[torch.Tensor]) -> torch.Tensor:
-        """:meth:`tts_student_logits` for many examples in one padded pass: ``[N, C_max, Vd]`` (row ``i``'s
-        positions past its own ``C_i`` are meaningless). Windows are left-padded so every row's last real pair
-        sits in the last column; padded keys are masked."""
-        from transformers import DynamicCache
-
-        n = len(contexts)
-        device = module.fuse.weight.device
-        dtype = module.fuse.weight.dtype
-        lengths = torch.tensor([c[1].shape[0] for c in contexts])
-        width = int(lengths.max())
-        c_max = max(int(d.shape[0]) for d in drafts)
-        feats = torch.zeros(n, width, contexts[0][0].shape[1])
-        tokens = torch.zeros(n, width, dtype=torch.int64)
-        for i, (f, t) in enumerate(contexts):
-            feats[i, width - t.shape[0] :] = f
-            tokens[i, width - t.shape[0] :] = t
-        col = torch.arange(width)
-        valid = col[None, :] >= (width - lengths)[:, None]  # [N, W]
-        positions = (col[None, :] - (width - lengths)[:, None]).clamp_min(0)
-        neg = torch.finfo(dtype).min
-        allowed = valid[:, None, :] & (col[None, None, :] <= col[None, :, None])  # causal over real keys
-        allowed = allowed | torch.eye(width, dtype=torch.bool)[None]  # padded queries see themselves (no NaN)
-        mask = torch.where(allowed, 0.0, neg).to(dtype)[:, None]
-        cache = DynamicCache(config=module.config)
-        out = module(tokens.to(device), feats.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
-                     cache=cache, use_cache=True, logits_to_keep=1)
-        g, logits = out.hidden[:, -1:], [out.logits[:, -1]]
-        step_tokens = torch.zeros(n, c_max, dtype=torch.int64)
-        for i, d in enumerate(drafts):
-            step_tokens[i, : d.shape[0]] = d
-        keys_valid = valid
-        for k in range(1, c_max):
-            keys_valid = torch.cat([keys_valid, torch.ones(n, 1, dtype=torch.bool)], dim=1)
-            step_mask = torch.where(keys_valid, 0.0, neg).to(dtype)[:, None, None, :]
-            pos = (lengths + k - 1)[:, None]
-            step = module(step_tokens[:, k - 1 : k].to(device), g, attention_mask=step_mask.to(device),
-                          position_ids=pos.to(device), cache=cache, use_cache=True)
-            g = step.hidden[:, -1:]
-            logits.append(step.logits[:, -1])
-        return torch.stack(logits, dim=1)
+        return EagleDraftStudent(self)

@@ -1,5 +1,7 @@
-"""Test-Time Speculation in the embedded engine: turns each verified round into supervision for
-:class:`specadapt.tts.TTSUpdater` and supplies the draft's differentiable forward as its loss.
+"""Test-Time Speculation in the embedded engine: turns each verified round into supervision
+(:class:`specadapt.tts.TTSExample`) for :class:`specadapt.tts.TTSUpdater`, whose loss is
+:func:`specadapt.tts.distillation_loss` over the draft's student (:meth:`~specadapt.engine.drafts.Draft.tts_student`,
+:mod:`specadapt.engine.tts_students`).
 
 Per request and round the snapshot holds: the draft's context (the last ``context_window`` committed tokens,
 or for the EAGLE head its last real (feature, token) pairs), the drafted tokens, the target's ``p`` rows at the
@@ -15,78 +17,34 @@ values as a constant prefix would remove that gap at the cost of memory per exam
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from ..sampling import SamplingParams
 from ..tts import (
     TTSConfig,
+    TTSExample,
     TTSUpdater,
     add_lora,
     add_per_request_lora,
-    dense_rows,
-    find_lora_slots,
+    distillation_loss,
     position_weights,
     supervised_counts,
     top_k_rows,
-    tts_loss,
 )
 from ..tts.lora import PerRequestLoRALinear
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TTSExample", "EngineTTS"]
-
-
-@dataclass
-class TTSExample:
-    """Supervision of one request in one round (CPU tensors).
-
-    Attributes:
-        context: draft-specific context (see the module docstring).
-        drafts: ``[C] int64`` drafted tokens of the supervised positions.
-        teacher: ``[C, V'] float32`` target rows (over the draft vocabulary ``V'``), or with ``--tts-topk k`` the
-            ``[C, k]`` renormalised top-k values whose token ids are ``teacher_index``.
-        proximal: ``[C, V'] float32`` the draft's rows ``q_t`` that drafted the round (top-k as ``teacher``).
-        weights: ``[C] float32`` position weights.
-        slot: the request's adapter slot (``--tts-scope request``), else 0.
-        teacher_index, proximal_index: ``[C, k] int32`` ids of the kept entries; ``None`` for dense rows.
-        vocab: ``V'``, the width of the dense rows.
-    """
-
-    context: Any
-    drafts: torch.Tensor
-    teacher: torch.Tensor
-    proximal: torch.Tensor
-    weights: torch.Tensor
-    slot: int = 0
-    teacher_index: torch.Tensor | None = None
-    proximal_index: torch.Tensor | None = None
-    vocab: int | None = None
-
-    @property
-    def nbytes(self) -> int:
-        parts = list(self.context) if isinstance(self.context, tuple) else [self.context]
-        tensors = parts + [self.drafts, self.teacher, self.proximal, self.weights, self.teacher_index,
-                           self.proximal_index]
-        return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
-
-    def teacher_rows(self) -> torch.Tensor:
-        """``[C, V']`` dense teacher rows (zeros outside the top-k when truncated)."""
-        return dense_rows(self.teacher, self.teacher_index, self.vocab)
-
-    def proximal_rows(self) -> torch.Tensor:
-        """``[C, V']`` dense drafting rows ``q_t`` (zeros outside the top-k when truncated)."""
-        return dense_rows(self.proximal, self.proximal_index, self.vocab)
+__all__ = ["EngineTTS"]
 
 
 class EngineTTS:
     """Test-Time Speculation of one model draft (``self:N``, a standalone LM, or the EAGLE head).
 
     Args:
-        draft: a draft with the ``tts_*`` hooks (:class:`~specadapt.engine.drafts.ModelDraft`,
+        draft: a draft whose :meth:`~specadapt.engine.drafts.Draft.tts_student` is an
+            :class:`~specadapt.engine.tts_students.EngineStudent` (:class:`~specadapt.engine.drafts.ModelDraft`,
             :class:`~specadapt.engine.eagle_draft.EagleDraft`).
         config: :class:`~specadapt.tts.TTSConfig`.
         sampling: the run's sampling settings (the student's temperature).
@@ -100,13 +58,15 @@ class EngineTTS:
     def __init__(
         self, draft, config: TTSConfig, sampling: SamplingParams, asynchronous: bool = True, max_requests: int = 1
     ) -> None:
-        module = getattr(draft, "model", None)
-        if module is None or not hasattr(draft, "tts_student_logits"):
+        student = draft.tts_student()
+        if student is None:
             raise ValueError(f"--tts needs a model draft (eagle, self:N or a model path), not {draft.name!r}")
+        module = student.module
         self.draft = draft
+        self.student = student
         self.config = config
         self.sampling = sampling
-        prefixes = list(draft.tts_trainable_prefixes)
+        prefixes = list(student.trainable_prefixes)
         self.slots = None
         if config.scope == "request":
             self.slots = add_per_request_lora(module, config.lora_rank, max_requests, prefixes)
@@ -121,16 +81,13 @@ class EngineTTS:
             def trainable(name, _):
                 return ".lora_a" in name or ".lora_b" in name or name.startswith(("lora_a", "lora_b"))
         else:
+            trainable = student.trainable
 
-            def trainable(name, _):
-                return any(name == p or name.startswith(p + ".") for p in prefixes) and ".lora_" not in name
-
-        if hasattr(draft, "window"):  # the EAGLE proposer keeps this many recent (feature, token) pairs
-            draft.window = max(draft.window, config.context_window)
-        self.vocab = draft.tts_vocab()
+        student.keep_context(config.context_window)
+        self.vocab = student.draft_vocab
         self.updater = TTSUpdater(
-            module, trainable, self._loss, config, share=draft.tts_shared(), asynchronous=asynchronous,
-            example_bytes=lambda ex: ex.nbytes, on_publish=getattr(draft, "tts_refresh", None),
+            module, trainable, self._loss, config, share=student.shared(), asynchronous=asynchronous,
+            example_bytes=lambda ex: ex.nbytes, on_publish=student.refresh,
         )
         logger.info("TTS: training %d tensors (%.1f MB), stride %d, lr %g",
                     len(self.updater.names), self.updater.memory_bytes()["trainable"] / 1e6, config.stride, config.lr)
@@ -177,52 +134,23 @@ class EngineTTS:
                 w = weights[r, :c]
             if not bool((w > 0).any()):
                 continue
-            context = self.draft.tts_context(r, histories[r], self.config.context_window)
+            context = self.student.context(r, histories[r], self.config.context_window)
             slot = int(self.slots.rows[r]) if self.slots is not None else 0
             vocab = teacher.shape[1]
             teacher_index = proximal_index = None
             if 0 < self.config.topk < vocab:
                 teacher, teacher_index = top_k_rows(teacher, self.config.topk)
                 proximal, proximal_index = top_k_rows(proximal, self.config.topk)
-            examples.append(TTSExample(context, drafts[r, :c].clone(), teacher, proximal, w.clone(), slot,
-                                       teacher_index, proximal_index, vocab))
+            examples.append(TTSExample(teacher=teacher, weights=w.clone(), proximal=proximal,
+                                       teacher_index=teacher_index, proximal_index=proximal_index, vocab=vocab,
+                                       context=context, drafts=drafts[r, :c].clone(), slot=slot))
         drafted = num_drafted > 0
         mean_accept = float((accept_len[drafted] + 1).double().mean()) if bool(drafted.any()) else None
         self.updater.end_round(examples, mean_accept)
 
     def _loss(self, module: torch.nn.Module, examples: list[TTSExample]) -> torch.Tensor:
-        width = max(ex.drafts.shape[0] for ex in examples)
-        vocab = examples[0].vocab if examples[0].vocab is not None else examples[0].teacher.shape[1]
-        n = len(examples)
-        device = next(p for p in module.parameters()).device
-        student = []
-        teacher = torch.zeros(n, width, vocab)
-        proximal = torch.zeros(n, width, vocab)
-        weights = torch.zeros(n, width)
-        shadow_slots = find_lora_slots(module) if self.slots is not None else None
-        batched = getattr(self.draft, "tts_student_logits_batch", None)
-        if batched is not None:  # one padded pass over all examples
-            if shadow_slots is not None:
-                shadow_slots.rows = torch.tensor([ex.slot for ex in examples])
-            student = batched(module, [ex.context for ex in examples], [ex.drafts for ex in examples]).float()
-        for i, ex in enumerate(examples):
-            c = ex.drafts.shape[0]
-            if batched is None:
-                if shadow_slots is not None:
-                    shadow_slots.rows = torch.tensor([ex.slot])
-                logits = self.draft.tts_student_logits(module, ex.context, ex.drafts).float()
-                if c < width:
-                    logits = torch.cat([logits, logits.new_zeros(width - c, logits.shape[1])])
-                student.append(logits)
-            teacher[i, :c] = ex.teacher_rows()
-            proximal[i, :c] = ex.proximal_rows()
-            weights[i, :c] = ex.weights
-        if batched is None:
-            student = torch.stack(student)
-        return tts_loss(
-            student, teacher.to(device), weights.to(device), self.sampling.temperature,
-            proximal.to(device), self.config.proximal_weight,
-        )
+        return distillation_loss(self.student, module, examples, self.sampling.temperature,
+                                 self.config.proximal_weight)
 
     def start_batch(self, batch: int) -> None:
         """A new batch of requests: with ``scope="request"`` every request gets a fresh adapter slot."""

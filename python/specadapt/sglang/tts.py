@@ -14,96 +14,36 @@ publish by ``torch._foreach_copy_`` into the serving tensors, rollback); this mo
   publishes the update in flight (stream-ordered before the next draft replay) and launches the next one.
   Every TP rank counts the same rounds, so publishes happen at the same round everywhere.
 
-The differentiable draft forward is a :class:`Student` (:mod:`specadapt.sglang.students`): SGLang's own draft
-modules run fused kernels without autograd, so the student re-implements the draft in plain torch over
-parameters that alias SGLang's tensors (publishes land in the storage CUDA graphs replay).
+The differentiable draft forward is a :class:`~.students.SGLangStudent` (:mod:`specadapt.sglang.students`):
+SGLang's own draft modules run fused kernels without autograd, so the student re-implements the draft in plain
+torch over parameters that alias SGLang's tensors (publishes land in the storage CUDA graphs replay). Examples are
+:class:`specadapt.tts.TTSExample`; the loss is :func:`specadapt.tts.distillation_loss`.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import nn
 
-from ..tts import TTSUpdater
-from ..tts.loss import position_weights, supervised_counts, tts_loss
-from ..tts.topk import dense_rows, top_k_rows
+from ..tts import TTSExample, TTSUpdater, distillation_loss
+from ..tts.loss import position_weights, supervised_counts
+from ..tts.topk import top_k_rows
 from .config import PluginConfig
+from .students._common import SGLangStudent
 
 logger = logging.getLogger("specadapt.sglang")
 
-__all__ = ["SGLangTTS", "Student", "TTSExample"]
-
-
-class Student(Protocol):
-    """The differentiable forward of one draft architecture.
-
-    Attributes:
-        module: ``nn.Module`` whose trainable parameters alias the serving draft's tensors.
-        draft_vocab: ``[V_d] int64`` target-vocabulary id of each draft output row (EAGLE-3 hot vocabulary), or
-            ``None`` when the draft predicts the target vocabulary.
-        uses_features: whether :meth:`logits` reads target features (EAGLE-3: aux hidden states; STANDALONE:
-            none, so snapshots keep none).
-    """
-
-    module: nn.Module
-    draft_vocab: torch.Tensor | None
-    uses_features: bool
-
-    def trainable(self, name: str, param: nn.Parameter) -> bool: ...
-
-    def logits(self, module: nn.Module, features: torch.Tensor, tokens: torch.Tensor,
-               mask: torch.Tensor) -> torch.Tensor:
-        """``features [N, T, H]`` (target feature of the token before each input), ``tokens [N, T]``,
-        ``mask [N, T]`` bool (valid inputs, left-aligned) -> ``[N, T, V_d]`` logits predicting the next token."""
-        ...
-
-    def refresh(self) -> None:
-        """After a publish / rollback: update what serving reads from the trained parameters (merge LoRA
-        adapters into the serving weights; nothing for full-parameter training)."""
-        ...
-
-
-@dataclass
-class TTSExample:
-    """Supervision of one request in one round.
-
-    Attributes:
-        features: ``[T, H]`` inputs' preceding target features (context then the round).
-        tokens: ``[T]`` int64 inputs (context tokens then the round's verified tokens except the last).
-        teacher: ``[L, V_d]`` target law at the round's draft positions (with ``--tts-topk k``: ``[L, k]`` values
-            at the ids ``teacher_index``).
-        drafted: ``[L, V_d]`` the q rows the drafts were sampled from (top-k as ``teacher``), or ``None``.
-        accepted: drafts accepted (tau).
-        first_valid: 1 when the request had no committed history (position 1 has no preceding feature).
-        teacher_index, drafted_index: ``[L, k] int32`` ids of the kept entries, ``None`` for dense rows.
-        vocab: ``V_d``.
-    """
-
-    features: torch.Tensor
-    tokens: torch.Tensor
-    teacher: torch.Tensor
-    drafted: torch.Tensor | None
-    accepted: int
-    first_valid: int
-    teacher_index: torch.Tensor | None = None
-    drafted_index: torch.Tensor | None = None
-    vocab: int | None = None
-
-    def nbytes(self) -> int:
-        tensors = [self.features, self.tokens, self.teacher, self.drafted, self.teacher_index, self.drafted_index]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+__all__ = ["SGLangTTS"]
 
 
 class SGLangTTS:
     """TTS state of one scheduler process.
 
     Args:
-        student: the draft's :class:`Student`.
+        student: the draft's :class:`~.students.SGLangStudent`.
         config: plugin settings.
         asynchronous: background trainer (``False``: inline updates, for tests and debugging).
         max_histories: request histories kept at most (least recently updated dropped first).
@@ -112,13 +52,13 @@ class SGLangTTS:
         ValueError: the student selects no trainable parameter.
     """
 
-    def __init__(self, student: Student, config: PluginConfig, asynchronous: bool = True,
+    def __init__(self, student: SGLangStudent, config: PluginConfig, asynchronous: bool = True,
                  max_histories: int = 4096) -> None:
         self.student = student
         self.config = config.tts_config()
         self.updater = TTSUpdater(student.module, student.trainable, self._loss, self.config,
                                   on_publish=student.refresh, asynchronous=asynchronous,
-                                  example_bytes=lambda ex: ex.nbytes())
+                                  example_bytes=lambda ex: ex.nbytes)
         # request id -> committed context; least recently used first. Bounded: a request that finishes at
         # prefill (or is aborted there) never reaches SGLang's note_request_finished for decode results.
         self.history: collections.OrderedDict[str, collections.deque] = collections.OrderedDict()
@@ -152,7 +92,7 @@ class SGLangTTS:
         temps = torch.where(temps > 0, temps, torch.ones_like(temps))
         teacher = self._draft_rows(torch.softmax(logits / temps, dim=-1), renormalise=True)
         drafted = self._draft_rows(draft_probs.float()) if draft_probs is not None else None
-        if features is None or not getattr(self.student, "uses_features", True):
+        if features is None or not self.student.uses_features:
             features = teacher.new_zeros(batch, slots, 0)  # a STANDALONE draft reads no target features
         snap = {
             "rids": list(rids),
@@ -161,20 +101,20 @@ class SGLangTTS:
             "teacher": teacher.detach(),  # fresh tensors already
             "drafted": drafted.detach().clone() if drafted is not None else None,
         }
-        if self.updater._cuda:
+        if self.updater.stream is not None:  # the update reading these runs on the trainer's side stream
             for value in snap.values():
                 if isinstance(value, torch.Tensor):
-                    value.record_stream(self.updater._stream)
+                    value.record_stream(self.updater.stream)
         return snap
 
     def _draft_rows(self, rows: torch.Tensor, renormalise: bool = False) -> torch.Tensor:
         """``[..., V]`` target-vocabulary rows -> the draft's output vocabulary ``[..., V_d]`` (hot ids of an EAGLE-3
         head; the first ``vocab_size`` ids of a padded target vocabulary), renormalised for a teacher."""
         vocab_ids = self.student.draft_vocab
-        draft_width = getattr(self.student, "vocab_size", None)
+        draft_width = self.student.vocab_size
         if vocab_ids is not None:
             rows = rows.index_select(-1, vocab_ids.to(rows.device))
-        elif draft_width is not None and rows.shape[-1] != draft_width:
+        elif rows.shape[-1] != draft_width:
             if rows.shape[-1] < draft_width:
                 raise ValueError(f"TTS: the target's logits have {rows.shape[-1]} columns, fewer than the "
                                  f"draft's vocabulary ({draft_width})")
@@ -234,9 +174,9 @@ class SGLangTTS:
                     if drafted is not None:
                         drafted, drafted_index = top_k_rows(drafted, self.config.topk)
                 self._pending.append(TTSExample(
-                    features=in_feats, tokens=in_tokens, teacher=teacher, drafted=drafted, accepted=tau,
-                    first_valid=0 if hist else 1, teacher_index=teacher_index, drafted_index=drafted_index,
-                    vocab=vocab,
+                    teacher=teacher, weights=self._weights(slots - 1, tau, first_valid=not hist), proximal=drafted,
+                    teacher_index=teacher_index, proximal_index=drafted_index, vocab=vocab, tokens=in_tokens,
+                    features=in_feats, accepted=tau, first_valid=0 if hist else 1,
                 ))
             for j in range(tau + 1):  # committed slots: the last committed token and the accepted drafts
                 hist.append((feats[j], toks[j]))
@@ -269,39 +209,20 @@ class SGLangTTS:
     def close(self) -> None:
         self.updater.close()
 
+    def _weights(self, num: int, accepted: int, first_valid: bool = False) -> torch.Tensor:
+        """``[num] float32`` position weights of a round of ``num`` drafts with ``accepted`` of them accepted:
+        ``gamma^(k-1)`` up to the first rejection plus one, 0 after; position 1 unsupervised when it has no
+        preceding feature (``first_valid``).
+
+        Raises:
+            ValueError: ``accepted`` outside ``[0, num]``.
+        """
+        counts = supervised_counts(torch.tensor([num]), torch.tensor([accepted]), "accepted")
+        weights = position_weights(counts, num, self.config.position_decay)[0].clone()
+        if first_valid:
+            weights[0] = 0.0
+        return weights
+
     # ---- the trainer's side --------------------------------------------------------------------------------
     def _loss(self, module: nn.Module, examples: list[TTSExample]) -> torch.Tensor:
-        n = len(examples)
-        width = max(ex.teacher.shape[0] for ex in examples)
-        length = max(ex.tokens.shape[0] for ex in examples)
-        ref = examples[0]
-        device = ref.teacher.device
-        feats = ref.features.new_zeros(n, length, ref.features.shape[-1])
-        tokens = torch.zeros(n, length, dtype=torch.int64, device=device)
-        mask = torch.zeros(n, length, dtype=torch.bool, device=device)
-        vocab = ref.vocab if ref.vocab is not None else ref.teacher.shape[-1]
-        teacher = ref.teacher.new_zeros(n, width, vocab)
-        drafted = None if ref.drafted is None else ref.teacher.new_zeros(n, width, vocab)
-        accepted = torch.zeros(n, dtype=torch.int64)
-        num = torch.zeros(n, dtype=torch.int64)
-        first = torch.zeros(n, dtype=torch.int64)
-        for i, ex in enumerate(examples):
-            t = ex.tokens.shape[0]
-            feats[i, :t] = ex.features
-            tokens[i, :t] = ex.tokens
-            mask[i, :t] = True
-            w = ex.teacher.shape[0]
-            teacher[i, :w] = dense_rows(ex.teacher, ex.teacher_index, vocab)
-            if drafted is not None and ex.drafted is not None:
-                drafted[i, :w] = dense_rows(ex.drafted, ex.drafted_index, vocab)
-            accepted[i], num[i], first[i] = ex.accepted, w, ex.first_valid
-        logits = self.student.logits(module, feats, tokens, mask)  # [n, length, V_d]
-        # the round's L positions are the last L valid inputs of each row
-        ends = mask.sum(1)
-        index = (ends[:, None] - num[:, None] + torch.arange(width)[None, :]).clamp_min(0).to(device)
-        student = logits.gather(1, index[..., None].expand(-1, -1, logits.shape[-1]))
-        counts = supervised_counts(num, accepted, "accepted")
-        weights = position_weights(counts, width, self.config.position_decay)
-        weights[:, 0] = torch.where(first == 1, torch.zeros(()), weights[:, 0])
-        return tts_loss(student, teacher, weights.to(device), 1.0, drafted,
-                        self.config.proximal_weight if drafted is not None else 0.0)
+        return distillation_loss(self.student, module, examples, 1.0, self.config.proximal_weight)

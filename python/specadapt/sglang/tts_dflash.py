@@ -1,51 +1,32 @@
 """Test-Time Speculation for DFLASH drafts inside SGLang (block diffusion: one draft forward per block).
 
 The DFLASH draft reads the target's features of the committed tokens as its context and predicts a whole block
-``[bonus, mask, ..., mask]`` at once (:class:`specadapt.sglang.students.DFlashStudent`). One example per request
-and round:
+``[bonus, mask, ..., mask]`` at once (:class:`specadapt.sglang.students.DFlashStudent`). One
+:class:`specadapt.tts.TTSExample` per request and round:
 
-* context: the request's committed target features (at most ``--tts-context-window``), recorded as SGLang
+* context (``features``): the request's committed target features (at most ``--tts-context-window``), recorded as SGLang
   materialises them into the draft KV cache (AROUND ``DFlashWorkerV2._append_target_hidden_to_draft_kv_by_loc``:
   the prompt's tokens at prefill, the committed block rows after each verification);
-* block: ``[bonus, mask, ...]`` of the round (``candidates[:, 0]`` and the worker's mask token);
+* block (``tokens``): ``[bonus, mask, ...]`` of the round (``candidates[:, 0]`` and the worker's mask token);
 * teacher: the target's law at the block's draft positions -- the draft's output at block position ``j``
   predicts the token at ``L + j``, the target's verify row ``j - 1`` (AROUND ``_accept_block``; the logits after
   SGLang's in-place penalties and grammar masks, temperature applied); supervised up to the first rejection
   plus one, as the EAGLE path (a DFLASH block is deterministic: no proximal term).
 
-Updates, publishes and rollbacks are :class:`specadapt.tts.TTSUpdater`'s (through :class:`.tts.SGLangTTS`); a
+Updates, publishes, rollbacks and the loss (:func:`specadapt.tts.distillation_loss` over
+:meth:`~specadapt.sglang.students.dflash.DFlashStudent.example_logits`) are :class:`.tts.SGLangTTS`'s; a
 publish also rebuilds SGLang's fused context-KV helper, which keeps copies of the draft's K/V weights.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-from torch import nn
 
-from ..tts.loss import position_weights, supervised_counts, tts_loss
-from ..tts.topk import dense_rows, top_k_rows
+from ..tts import TTSExample
+from ..tts.topk import top_k_rows
 from .tts import SGLangTTS
 
-__all__ = ["DFlashExample", "SGLangDFlashTTS"]
-
-
-@dataclass
-class DFlashExample:
-    """One request's round: ``features [C, F]`` context, ``block [S] int64``, ``teacher [min(tau+1, S-1), V]``
-    (the supervised rows; or top-k values with ``teacher_index``), ``accepted`` drafts (tau), ``vocab`` V."""
-
-    features: torch.Tensor
-    block: torch.Tensor
-    teacher: torch.Tensor
-    accepted: int
-    vocab: int
-    teacher_index: torch.Tensor | None = None
-
-    def nbytes(self) -> int:
-        tensors = [self.features, self.block, self.teacher, self.teacher_index]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+__all__ = ["SGLangDFlashTTS"]
 
 
 class SGLangDFlashTTS(SGLangTTS):
@@ -130,30 +111,9 @@ class SGLangDFlashTTS(SGLangTTS):
             example_block = block.clone()
             example_block[0] = candidates[b, 0]
             self.history.move_to_end(rid)
-            self._pending.append(DFlashExample(features=torch.stack(list(hist)), block=example_block,
-                                               teacher=rows.detach().clone(), accepted=tau, vocab=vocab,
-                                               teacher_index=index))
+            weights = self._weights(slots - 1, tau)[: rows.shape[0]]  # every kept row is supervised
+            self._pending.append(TTSExample(teacher=rows.detach().clone(), weights=weights, teacher_index=index,
+                                            vocab=vocab, tokens=example_block, features=torch.stack(list(hist)),
+                                            accepted=tau))
         if taus:
             self._pending_acceptance.append(sum(t + 1 for t in taus) / len(taus))
-
-    # ---- the trainer's side --------------------------------------------------------------------------------
-    def _loss(self, module: nn.Module, examples: list[DFlashExample]) -> torch.Tensor:
-        n = len(examples)
-        ref = examples[0]
-        device = ref.teacher.device
-        width = max(ex.features.shape[0] for ex in examples)
-        slots = ref.block.shape[0]
-        feats = ref.features.new_zeros(n, width, ref.features.shape[-1])
-        mask = torch.zeros(n, width, dtype=torch.bool, device=device)
-        blocks = torch.stack([ex.block for ex in examples]).to(device)
-        teacher = ref.teacher.new_zeros(n, slots - 1, ref.vocab)
-        accepted = torch.tensor([ex.accepted for ex in examples], dtype=torch.int64)
-        for i, ex in enumerate(examples):
-            c = ex.features.shape[0]
-            feats[i, :c], mask[i, :c] = ex.features, True
-            teacher[i, : ex.teacher.shape[0]] = dense_rows(ex.teacher, ex.teacher_index, ref.vocab)
-        logits = self.student.block_logits(module, feats, mask, blocks)[:, 1:]  # outputs at the drafts
-        num = torch.full((n,), slots - 1, dtype=torch.int64)
-        counts = supervised_counts(num, accepted.clamp_max(slots - 1), "accepted")
-        weights = position_weights(counts, slots - 1, self.config.position_decay)
-        return tts_loss(logits, teacher, weights.to(device), 1.0, None, 0.0)

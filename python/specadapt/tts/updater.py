@@ -23,6 +23,7 @@ owns copies of the trainable ones, so training never writes a tensor serving rea
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import logging
 import time
@@ -134,6 +135,18 @@ class TTSUpdater:
         self._peak_snapshot_bytes = 0
         self._in_flight_bytes = 0
 
+    @property
+    def on_cuda(self) -> bool:
+        """Whether the trained tensors live on a CUDA device (updates then run on :attr:`stream`)."""
+        return self._cuda
+
+    @property
+    def stream(self) -> torch.cuda.Stream | None:
+        """The side CUDA stream the trainer runs on, or ``None`` on CPU. A tensor allocated on another stream and
+        read by an update (e.g. a snapshot the serving loop cloned) must be ``record_stream``-ed on it, so the
+        caching allocator does not reuse its memory while the update still reads it."""
+        return self._stream
+
     # ---- the decoding loop's side -------------------------------------------------------------------------
     def end_round(self, examples: list[Any], acceptance_length: float | None) -> None:
         """Call once per decoding round, after verification and before the next draft.
@@ -231,7 +244,7 @@ class TTSUpdater:
         start = time.perf_counter()
         if self._executor is not None and not self._cuda:
             torch.set_num_threads(self.trainer_threads)  # this (trainer) thread only
-        ctx = torch.cuda.stream(self._stream) if self._cuda else _nullcontext()
+        ctx = torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext()
         with ctx:
             if after_publish is not None:
                 self._stream.wait_event(after_publish)
@@ -277,14 +290,6 @@ class TTSUpdater:
         out["total_without_rollback"] = shadow + optimizer + self._peak_snapshot_bytes
         out["total"] = out["total_without_rollback"] + rollback
         return out
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _done_future() -> Future:

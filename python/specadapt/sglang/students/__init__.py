@@ -8,18 +8,22 @@ publish merges the trained low-rank adapters into that storage (:class:`StudentW
 * :class:`Eagle3LlamaStudent` -- EAGLE / EAGLE3: ``LlamaForCausalLMEagle3`` (one decoder layer over target
   features).
 * :class:`DenseLMStudent` -- STANDALONE: a dense Llama / Mistral / Qwen2 / Qwen3 draft LM.
+* :class:`~.dflash.DFlashStudent` -- DFLASH: the plain block-diffusion draft.
+
+Each implements :class:`SGLangStudent` (:class:`specadapt.tts.Student` plus ``uses_features`` / ``vocab_size``).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from ._common import StudentWeights
+from ._common import SGLangStudent, StudentWeights, TokenStudent
 from .sharding import Layout, TensorParallel
 from .eagle3 import Eagle3LlamaStudent
 from .standalone import SUPPORTED_ARCHITECTURES, DenseLMStudent
 
-__all__ = ["DenseLMStudent", "Eagle3LlamaStudent", "Layout", "StudentWeights", "TensorParallel", "build_student"]
+__all__ = ["DenseLMStudent", "Eagle3LlamaStudent", "Layout", "SGLangStudent", "StudentWeights", "TensorParallel",
+           "TokenStudent", "build_student"]
 
 
 def build_student(draft_model: nn.Module, config, params: str = "full", lora_rank: int = 8, tp=None):

@@ -1,4 +1,6 @@
-"""Pieces every student shares: RMSNorm, RoPE, causal attention over left-aligned padded rows, and
+"""Pieces every student shares: the plugin's student protocol :class:`SGLangStudent` (the technique's
+:class:`specadapt.tts.Student` plus what snapshots need), :class:`TokenStudent` (examples of context-then-round
+tokens and features, EAGLE-3 and STANDALONE), RMSNorm, RoPE, causal attention over left-aligned padded rows, and
 :class:`StudentWeights` -- the student's view of the serving draft's tensors, either aliased (``--tts-params
 full``: training updates them directly, publishes copy in place) or frozen behind low-rank adapters
 (``--tts-params lora``: publishes merge ``W0 + (alpha / r) B A`` into them in place).
@@ -10,12 +12,66 @@ match the serving model.
 from __future__ import annotations
 
 import math
+from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["StudentWeights", "attention", "rms_norm", "rope_inv_freq", "qkv_layout", "rope_parameters", "rotate", "vocab_layout"]
+from ...tts import Student, TTSExample
+
+__all__ = ["SGLangStudent", "StudentWeights", "TokenStudent", "attention", "rms_norm", "rope_inv_freq", "qkv_layout",
+           "rope_parameters", "rotate", "vocab_layout"]
+
+
+@runtime_checkable
+class SGLangStudent(Student, Protocol):
+    """A :class:`specadapt.tts.Student` of an SGLang draft; ``module`` holds parameters that alias the serving
+    draft's tensors (publishes land in the storage SGLang's CUDA graphs replay).
+
+    Attributes:
+        uses_features: whether the student reads target features (EAGLE-3: aux hidden states, DFLASH: context
+            features; STANDALONE: none, so snapshots keep none).
+        vocab_size: ``V_d``, the draft's output rows (a wider, padded target vocabulary is cut to it).
+    """
+
+    uses_features: bool
+    vocab_size: int
+
+
+class TokenStudent(SGLangStudent):
+    """A student whose examples are ``tokens [T]`` / ``features [T, H]`` (context then the round, left-aligned)
+    and whose :meth:`logits` predicts the next token at every input: EAGLE-3 and STANDALONE drafts."""
+
+    def logits(self, module: nn.Module, features: torch.Tensor, tokens: torch.Tensor,
+               mask: torch.Tensor) -> torch.Tensor:
+        """``features [N, T, H]`` (target feature of the token before each input), ``tokens [N, T]`` int64,
+        ``mask [N, T]`` bool (valid inputs, left-aligned) -> ``[N, T, V_d]`` float32 next-token logits."""
+        raise NotImplementedError
+
+    def example_logits(self, module: nn.Module, examples: Sequence[TTSExample]) -> torch.Tensor:
+        """Pad the examples' inputs, run :meth:`logits` once, keep each row's last ``C`` valid positions (the
+        round's drafts): ``[N, C_max, V_d]``."""
+        n = len(examples)
+        width = max(ex.teacher.shape[0] for ex in examples)
+        length = max(ex.tokens.shape[0] for ex in examples)
+        ref = examples[0]
+        device = ref.teacher.device
+        feats = ref.features.new_zeros(n, length, ref.features.shape[-1])
+        tokens = torch.zeros(n, length, dtype=torch.int64, device=device)
+        mask = torch.zeros(n, length, dtype=torch.bool, device=device)
+        num = torch.zeros(n, dtype=torch.int64, device=device)
+        for i, ex in enumerate(examples):
+            t = ex.tokens.shape[0]
+            feats[i, :t] = ex.features
+            tokens[i, :t] = ex.tokens
+            mask[i, :t] = True
+            num[i] = ex.teacher.shape[0]
+        logits = self.logits(module, feats, tokens, mask)  # [n, length, V_d]
+        # the round's C positions are the last C valid inputs of each row
+        ends = mask.sum(1)
+        index = (ends[:, None] - num[:, None] + torch.arange(width, device=device)[None, :]).clamp_min(0)
+        return logits.gather(1, index[..., None].expand(-1, -1, logits.shape[-1]))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -16,12 +16,14 @@ value scale, causal or sliding layers, attention bias, non-neox RoPE) are refuse
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import StudentWeights, qkv_layout, rms_norm, rope_parameters, rotate
+from ...tts import TTSExample
+from ._common import SGLangStudent, StudentWeights, qkv_layout, rms_norm, rope_parameters, rotate
 
 __all__ = ["DFlashStudent"]
 
@@ -64,7 +66,7 @@ def _refuse(config, draft_model) -> None:
                          f"{', '.join(reasons)}")
 
 
-class DFlashStudent:
+class DFlashStudent(SGLangStudent):
     """Differentiable forward of SGLang's plain ``DFlashDraftModel``.
 
     Args:
@@ -195,3 +197,18 @@ class DFlashStudent:
             h = w.linear(module, pre + "mlp.down_proj.weight", F.silu(gate) * up)
         h = rms_norm(h + residual, p("norm.weight"), self.eps)
         return F.linear(h, p("lm_head.weight"))[..., : self.vocab_size].float()
+
+    def example_logits(self, module: nn.Module, examples: Sequence[TTSExample]) -> torch.Tensor:
+        """Examples of ``features [C, K_f*H]`` context and ``tokens [S]`` block, padded into one
+        :meth:`block_logits` pass: ``[N, S - 1, V]``, the outputs at the block's drafts."""
+        n = len(examples)
+        ref = examples[0]
+        device = ref.teacher.device
+        width = max(ex.features.shape[0] for ex in examples)
+        feats = ref.features.new_zeros(n, width, ref.features.shape[-1])
+        mask = torch.zeros(n, width, dtype=torch.bool, device=device)
+        blocks = torch.stack([ex.tokens for ex in examples]).to(device)
+        for i, ex in enumerate(examples):
+            c = ex.features.shape[0]
+            feats[i, :c], mask[i, :c] = ex.features, True
+        return self.block_logits(module, feats, mask, blocks)[:, 1:]  # outputs at the drafts

@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import StudentWeights, attention, qkv_layout, rms_norm, rope_parameters, vocab_layout
+from ._common import StudentWeights, TokenStudent, attention, qkv_layout, rms_norm, rope_parameters, vocab_layout
 from .sharding import Layout
 
 __all__ = ["Eagle3LlamaStudent"]
 
 
-class Eagle3LlamaStudent:
+class Eagle3LlamaStudent(TokenStudent):
     """Differentiable forward of SGLang's EAGLE-3 Llama draft over its own tensors.
 
     Args:

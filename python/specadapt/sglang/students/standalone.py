@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import StudentWeights, attention, qkv_layout, rms_norm, rope_parameters, vocab_layout
+from ._common import StudentWeights, TokenStudent, attention, qkv_layout, rms_norm, rope_parameters, vocab_layout
 from .sharding import Layout
 
 __all__ = ["DenseLMStudent", "SUPPORTED_ARCHITECTURES"]
@@ -33,7 +33,7 @@ _LAYER_PARAM = re.compile(
 )
 
 
-class DenseLMStudent:
+class DenseLMStudent(TokenStudent):
     """Differentiable forward of a STANDALONE dense draft LM over its own tensors.
 
     Args:
