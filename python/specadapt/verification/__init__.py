@@ -2,32 +2,28 @@
 
 Each rule takes the batch contract of :mod:`specadapt.verification.common` and the coins, and returns
 :class:`VerifyOutput`. The float64 PyTorch implementations here are the oracle the fused kernels are tested
-against.
+against. :mod:`specadapt.verification.rules` is the registry every consumer reads (:data:`RULES`,
+:func:`get_rule`).
 """
 
 from .block import block_round_law, block_verify, residual_mass_reference
 from .chain import chain_round_law, chain_verify
 from .common import VerifyOutput, check_inputs, sample_from_unnormalized
+from .rules import DEFAULT_RULE, RULE_NAMES, RULES, VerificationRule, get_rule
 
-VERIFY_RULES = {"chain": chain_verify, "block": block_verify}
-ROUND_LAWS = {"chain": chain_round_law, "block": block_round_law}
-
-
-def get_rule(name: str):
-    """Return the verification function called ``name`` (``chain`` or ``block``).
-
-    Raises:
-        ValueError: unknown rule name.
-    """
-    try:
-        return VERIFY_RULES[name]
-    except KeyError:
-        raise ValueError(f"unknown verification rule {name!r}; choose one of {sorted(VERIFY_RULES)}") from None
+#: Float64 references of the single-path rules, by name (derived from :data:`RULES`).
+VERIFY_RULES = {r.name: r.reference for r in RULES.values() if not r.multi_path}
+#: Exact one-round laws of the rules that have one, by name (derived from :data:`RULES`).
+ROUND_LAWS = {r.name: r.round_law for r in RULES.values() if r.round_law is not None}
 
 
 __all__ = [
-    "VERIFY_RULES",
+    "DEFAULT_RULE",
+    "RULES",
+    "RULE_NAMES",
     "ROUND_LAWS",
+    "VERIFY_RULES",
+    "VerificationRule",
     "VerifyOutput",
     "block_round_law",
     "block_verify",
