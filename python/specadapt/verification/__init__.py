@@ -4,17 +4,41 @@ Each rule takes the batch contract of :mod:`specadapt.verification.common` and t
 :class:`VerifyOutput`. The float64 PyTorch implementations here are the oracle the fused kernels are tested
 against. :mod:`specadapt.verification.rules` is the registry every consumer reads (:data:`RULES`,
 :func:`get_rule`).
+
+Importing this package does not import torch: the registry is torch-free, and the rules' functions below are
+imported from their modules on first access (so the CLI and the SGLang flags can read the registry cheaply).
 """
 
-from .block import block_round_law, block_verify, residual_mass_reference
-from .chain import chain_round_law, chain_verify
-from .common import VerifyOutput, check_inputs, sample_from_unnormalized
+from importlib import import_module
+
 from .rules import DEFAULT_RULE, RULE_NAMES, RULES, VerificationRule, get_rule
 
-#: Float64 references of the single-path rules, by name (derived from :data:`RULES`).
-VERIFY_RULES = {r.name: r.reference for r in RULES.values() if not r.multi_path}
-#: Exact one-round laws of the rules that have one, by name (derived from :data:`RULES`).
-ROUND_LAWS = {r.name: r.round_law for r in RULES.values() if r.round_law is not None}
+#: name -> module of this package that defines it (imported on first access)
+_FUNCTIONS = {
+    "VerifyOutput": "common",
+    "check_inputs": "common",
+    "sample_from_unnormalized": "common",
+    "block_round_law": "block",
+    "block_verify": "block",
+    "residual_mass_reference": "block",
+    "chain_round_law": "chain",
+    "chain_verify": "chain",
+}
+
+
+def __getattr__(name: str):
+    """``VERIFY_RULES`` (float64 references of the single-path rules, by name), ``ROUND_LAWS`` (exact one-round
+    laws, by name), both derived from :data:`RULES`, and the functions of :data:`_FUNCTIONS`."""
+    if name == "VERIFY_RULES":
+        value = {r.name: r.reference for r in RULES.values() if not r.multi_path}
+    elif name == "ROUND_LAWS":
+        value = {r.name: r.round_law for r in RULES.values() if r.round_law_name is not None}
+    elif name in _FUNCTIONS:
+        value = getattr(import_module(f".{_FUNCTIONS[name]}", __name__), name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
 
 __all__ = [

@@ -7,16 +7,17 @@ verification applies, and the defaults the CLI fills in for it.
 
 Adding a rule: write its kernels (``csrc/cpu``, ``csrc/cuda``, registered as ``specadapt::<op>`` with the
 single- or multi-path op signature below) and its float64 reference, then add one entry to :data:`RULES`.
+
+This module imports neither torch nor the rules' modules (the CLI builds its parser, and the SGLang plugin its
+flags, from it without importing torch): a rule's reference and round law are named ``"module:function"``
+within this package and imported on first use (:attr:`VerificationRule.reference`).
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Callable
-
-from .block import block_round_law, block_verify
-from .chain import chain_round_law, chain_verify
-from .gbv import gbv_verify
 
 __all__ = [
     "DEFAULT_RULE",
@@ -42,15 +43,17 @@ class VerificationRule:
             ``True``: K sampled paths per request (a token tree); the inputs gain a K axis after B
             (``[B, K, L+1]``, ``[B, K, L+1, V]``, ``[B, K, L, V]``; the coins stay ``[B, L]`` / ``[B]``), there is
             no ``num_draft_tokens`` and the output adds ``chosen_path [B]`` int32.
-        reference: the float64 PyTorch oracle of that contract (``debug=`` keyword for strict target checks).
+        reference_name: ``"module:function"`` (a module of this package) of the float64 PyTorch oracle of that
+            contract (``debug=`` keyword for strict target checks); :attr:`reference` is the function.
         op: the ``specadapt::<op>`` the compiled extension registers (CPU and CUDA). For a multi-path rule it is
             also the name of the host pipeline in :mod:`specadapt.cuda_jit` that launches its JIT kernels.
         cuda_header: the torch-free header (``csrc/cuda``) holding the rule's kernels, for the CuPy JIT.
         jit_kernels: ``(short name, C++ name expression)`` of each kernel the JIT launches; the expression has the
             placeholders ``{t}`` (probability type), ``{max_drafts}`` and ``{max_paths}``. A single-path rule has
             exactly one kernel, whose short name is the rule's name.
-        round_law: ``(target_probs [L+1, V], draft_probs [L, V], drafts [L]) -> (tau_probs [L+1],
-            extra_dists [L+1, V])``, the exact law of one round on one fixed path (single-path rules), or ``None``.
+        round_law_name: ``"module:function"`` of ``(target_probs [L+1, V], draft_probs [L, V], drafts [L]) ->
+            (tau_probs [L+1], extra_dists [L+1, V])``, the exact law of one round on one fixed path (single-path
+            rules), or ``None``; :attr:`round_law` is the function.
         adaptive: whether adaptive verification applies (its caps keep the rule exact; see :attr:`adaptive_caps`).
         plain_round_rule: multi-path rules only: the single-path rule that runs a round verifying no tree
             (speculation off, an adaptive round capped at 0 drafts).
@@ -62,11 +65,11 @@ class VerificationRule:
     name: str
     description: str
     multi_path: bool
-    reference: Callable
+    reference_name: str
     op: str
     cuda_header: str
     jit_kernels: tuple[tuple[str, str], ...]
-    round_law: Callable | None = None
+    round_law_name: str | None = None
     adaptive: bool = True
     plain_round_rule: str | None = None
     default_num_paths: int = 1
@@ -83,6 +86,16 @@ class VerificationRule:
                 raise ValueError(f"rule {self.name!r}: a single-path rule has no plain_round_rule and one path")
             if len(self.jit_kernels) != 1 or self.jit_kernels[0][0] != self.name:
                 raise ValueError(f"rule {self.name!r}: a single-path rule has one JIT kernel named {self.name!r}")
+
+    @property
+    def reference(self) -> Callable:
+        """The float64 reference function (imported on first use)."""
+        return _resolve(self.reference_name)
+
+    @property
+    def round_law(self) -> Callable | None:
+        """The exact one-round law function, or ``None`` (imported on first use)."""
+        return None if self.round_law_name is None else _resolve(self.round_law_name)
 
     @property
     def plain_rule(self) -> str:
@@ -107,27 +120,27 @@ RULES: dict[str, VerificationRule] = {
             name="chain",
             description="token-level rejection sampling (Leviathan et al. 2023)",
             multi_path=False,
-            reference=chain_verify,
+            reference_name="chain:chain_verify",
             op="chain_verify",
             cuda_header="verify.cuh",
             jit_kernels=(("chain", "chain_verify_kernel<{t}>"),),
-            round_law=chain_round_law,
+            round_law_name="chain:chain_round_law",
         ),
         VerificationRule(
             name="block",
             description="block verification (Sun et al. 2024)",
             multi_path=False,
-            reference=block_verify,
+            reference_name="block:block_verify",
             op="block_verify",
             cuda_header="verify.cuh",
             jit_kernels=(("block", "block_verify_kernel<{t}, {max_drafts}>"),),
-            round_law=block_round_law,
+            round_law_name="block:block_round_law",
         ),
         VerificationRule(
             name="gbv",
             description="greedy multi-path block verification over K sampled paths",
             multi_path=True,
-            reference=gbv_verify,
+            reference_name="gbv:gbv_verify",
             op="gbv_verify",
             cuda_header="gbv.cuh",
             jit_kernels=(
@@ -149,6 +162,11 @@ RULE_NAMES: tuple[str, ...] = tuple(RULES)
 
 #: The rule used when none is named (the embedded engine's default; SGLang's builtin rule with adaptive caps).
 DEFAULT_RULE = "chain"
+
+
+def _resolve(qualified: str) -> Callable:
+    module, _, function = qualified.partition(":")
+    return getattr(importlib.import_module(f"{__package__}.{module}"), function)
 
 
 def get_rule(name: str, argument: str = "rule") -> VerificationRule:
