@@ -14,7 +14,8 @@ from specadapt.verification.rules import DEFAULT_RULE, RULE_NAMES, RULES, get_ru
 
 
 def test_unknown_rule_names_the_argument_and_the_choices():
-    with pytest.raises(ValueError, match=r"--verify: unknown verification rule 'tree'; choose one of chain, block, gbv"):
+    with pytest.raises(ValueError,
+                       match=r"--verify: unknown verification rule 'tree'; choose one of chain, block, gbv"):
         get_rule("tree", "--verify")
     with pytest.raises(ValueError, match=r"^rule: unknown verification rule None"):
         get_rule(None)
@@ -24,7 +25,8 @@ def test_unknown_rule_names_the_argument_and_the_choices():
 def test_names_and_derived_tables():
     assert RULE_NAMES == ("chain", "block", "gbv") and DEFAULT_RULE in RULES
     assert rule_names(multi_path=False) == ("chain", "block") and rule_names(multi_path=True) == ("gbv",)
-    assert join_names(RULE_NAMES) == "chain, block or gbv" and join_names(["chain", "block"], "and") == "chain and block"
+    assert join_names(RULE_NAMES) == "chain, block or gbv"
+    assert join_names(["chain", "block"], "and") == "chain and block"
     assert VERIFY_RULES == {n: RULES[n].reference for n in rule_names(multi_path=False)}
     assert ROUND_LAWS == {n: RULES[n].round_law for n in ("chain", "block")}
 

@@ -83,8 +83,9 @@ if extension_available():
             candidates.new_empty((batch,), dtype=torch.int32),
         )
 
-    for _rule in RULES.values():  # one fake per registered rule, by its op signature
-        torch.library.register_fake(f"specadapt::{_rule.op}")(_multi_path_fake if _rule.multi_path else _single_path_fake)
+    for _spec in RULES.values():  # one fake per registered rule, by its op signature
+        _fake = _multi_path_fake if _spec.multi_path else _single_path_fake
+        torch.library.register_fake(f"specadapt::{_spec.op}")(_fake)
 
     @torch.library.register_fake("specadapt::irls_accumulate")
     def _irls_fake(features, predictions, accepted, verified):
@@ -331,8 +332,9 @@ def verify_paths_capped(
     """:func:`verify_paths` with request ``b`` verifying only the first ``caps[b]`` drafts of every path (adaptive
     verification's per-request budget, a rule's ``adaptive_caps == "shared_prefix"``): the rule at depth
     ``caps[b]`` on the paths' prefixes, one call per distinct cap; a request with cap 0 takes its next token
-    straight from the target (``target_probs[b, 0, 0]`` with ``uniforms_final[b]``, inverse CDF). Exact when the caps do not depend on the drafted tokens (for example
-    chosen from the committed context only, as the embedded engine does).
+    straight from the target (``target_probs[b, 0, 0]`` with ``uniforms_final[b]``, inverse CDF). Exact when the
+    caps do not depend on the drafted tokens (for example chosen from the committed context only, as the embedded
+    engine does).
 
     Args:
         rule: a multi-path rule name (``gbv``).

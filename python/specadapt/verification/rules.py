@@ -80,7 +80,8 @@ class VerificationRule:
             raise ValueError(f"rule {self.name!r}: jit_kernels is empty")
         if self.multi_path:
             if self.plain_round_rule is None or self.default_num_paths < 1:
-                raise ValueError(f"rule {self.name!r}: a multi-path rule needs plain_round_rule and default_num_paths >= 1")
+                raise ValueError(f"rule {self.name!r}: a multi-path rule needs plain_round_rule and "
+                                 "default_num_paths >= 1")
         else:
             if self.plain_round_rule is not None or self.default_num_paths != 1:
                 raise ValueError(f"rule {self.name!r}: a single-path rule has no plain_round_rule and one path")
