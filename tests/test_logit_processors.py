@@ -407,18 +407,18 @@ def test_gbv_tree_nodes_see_their_paths(monkeypatch):
     engine = SpeculativeEngine(target, draft, params, 2, "gbv", seed=0, num_paths=3)
     records, rounds = [], []
     original_round = engine._gbv_round
-    original = loop_mod.kernels.gbv_verify
+    original = loop_mod.kernels.verify_paths
 
     def round_spy(kv, histories):
         rounds.append([list(h) for h in histories])
         return original_round(kv, histories)
 
-    def spy(candidates, target_probs, draft_probs, *args, **kwargs):
+    def spy(rule, candidates, target_probs, draft_probs, *args, **kwargs):
         records.append((candidates.clone(), target_probs.clone(), draft_probs.clone()))
-        return original(candidates, target_probs, draft_probs, *args, **kwargs)
+        return original(rule, candidates, target_probs, draft_probs, *args, **kwargs)
 
     monkeypatch.setattr(engine, "_gbv_round", round_spy)
-    monkeypatch.setattr(loop_mod.kernels, "gbv_verify", spy)
+    monkeypatch.setattr(loop_mod.kernels, "verify_paths", spy)
     prompt = [3, 1, 4, 1, 5]
     engine.generate([prompt], 8, seeds=[1])
     assert len(records) >= 2

@@ -22,9 +22,12 @@ from pathlib import Path
 
 import torch
 
+from .verification.rules import RULES, get_rule
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["available", "unavailable_reason", "headers_dir", "compile_ptx", "kernel_names", "verify", "gbv_verify"]
+__all__ = ["available", "unavailable_reason", "headers_dir", "compile_ptx", "kernel_names", "check_args", "verify",
+           "gbv_verify"]
 
 THREADS = 256
 MAX_DRAFTS = 64  # the kMaxDrafts of block_verify_kernel (path weights in shared memory)
@@ -33,17 +36,13 @@ _CTYPE = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16"}
 
 
 def kernel_names(dtype: torch.dtype) -> dict[str, str]:
-    """C++ name expressions of the kernel instantiations for probabilities of ``dtype`` (float32 / bfloat16)."""
+    """C++ name expressions of the kernel instantiations for probabilities of ``dtype`` (float32 / bfloat16):
+    ``{short name: expression}`` over every registered rule's ``jit_kernels`` (:mod:`specadapt.verification.rules`)."""
     t = _CTYPE[dtype]
-    ns = "specadapt::cuda::"
     return {
-        "chain": f"{ns}chain_verify_kernel<{t}>",
-        "block": f"{ns}block_verify_kernel<{t}, {MAX_DRAFTS}>",
-        "gbv_walk": f"{ns}gbv_walk_kernel<{t}, {MAX_PATHS}>",
-        "gbv_fill_keys": f"{ns}gbv_fill_keys_kernel<{t}>",
-        "gbv_depth": f"{ns}gbv_depth_kernel<{t}>",
-        "gbv_accept": f"{ns}gbv_accept_kernel",
-        "gbv_sample": f"{ns}gbv_sample_kernel<{t}>",
+        short: "specadapt::cuda::" + template.format(t=t, max_drafts=MAX_DRAFTS, max_paths=MAX_PATHS)
+        for rule in RULES.values()
+        for short, template in rule.jit_kernels
     }
 
 
@@ -73,7 +72,8 @@ def cuda_include_dirs() -> list[str]:
 
 
 def _source() -> str:
-    return '#include "verify.cuh"\n#include "gbv.cuh"\n'
+    headers = dict.fromkeys(rule.cuda_header for rule in RULES.values())
+    return "".join(f'#include "{h}"\n' for h in headers)
 
 
 def _options() -> tuple[str, ...]:
@@ -147,6 +147,38 @@ def _kernel(name: str, dtype: torch.dtype, device: torch.device):
     )
 
 
+def check_args(candidates, target_probs, draft_probs, uniforms, uniforms_final, paths: bool = False) -> None:
+    """Check shapes, dtypes and devices for the JIT path (the compiled ops check these in C++): the single-path
+    contract of :func:`specadapt.kernels.verify`, or with ``paths`` the K-path one of
+    :func:`specadapt.kernels.verify_paths`.
+
+    Raises:
+        ValueError: the first violation, naming the argument.
+    """
+    lead = 2 if paths else 1
+    if candidates.dim() != lead + 1 or target_probs.dim() != lead + 2 or draft_probs.dim() != lead + 2:
+        raise ValueError(f"candidates / target_probs / draft_probs must be [B, {'K, ' if paths else ''}L+1] / "
+                         f"[..., L+1, V] / [..., L, V], got {tuple(candidates.shape)}, {tuple(target_probs.shape)}, "
+                         f"{tuple(draft_probs.shape)}")
+    if target_probs.shape[:-1] != candidates.shape or draft_probs.shape[:-2] != candidates.shape[:-1] \
+            or draft_probs.shape[-2] != candidates.shape[-1] - 1 or draft_probs.shape[-1] != target_probs.shape[-1]:
+        raise ValueError(f"target_probs {tuple(target_probs.shape)} and draft_probs {tuple(draft_probs.shape)} do not "
+                         f"fit candidates {tuple(candidates.shape)}")
+    if target_probs.shape[-1] < 1 or (paths and candidates.shape[1] < 1):
+        raise ValueError(f"target_probs needs V >= 1 and candidates K >= 1 paths, got {tuple(target_probs.shape)}")
+    if draft_probs.dtype != target_probs.dtype:
+        raise ValueError(f"draft_probs dtype must match target_probs ({target_probs.dtype}), got {draft_probs.dtype}")
+    if candidates.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"candidates must be int64 or int32, got {candidates.dtype}")
+    B, L = candidates.shape[0], candidates.shape[-1] - 1
+    if tuple(uniforms.shape) != (B, L) or tuple(uniforms_final.shape) != (B,):
+        raise ValueError(f"uniforms must be [B, L] = [{B}, {L}] and uniforms_final [B] = [{B}], got "
+                         f"{tuple(uniforms.shape)} and {tuple(uniforms_final.shape)}")
+    devices = {t.device for t in (candidates, target_probs, draft_probs, uniforms, uniforms_final)}
+    if len(devices) != 1:
+        raise ValueError("candidates, target_probs, draft_probs, uniforms and uniforms_final must be on one device")
+
+
 def _ptr(t: torch.Tensor | None):
     """A kernel pointer argument: the tensor's device address as a 64-bit value (null for ``None``).
 
@@ -167,12 +199,17 @@ def _launch(kernel, grid, block, args, device: torch.device) -> None:
 
 
 def verify(rule, candidates, target_probs, draft_probs, uniforms, uniforms_final, num_draft_tokens=None):
-    """``chain`` / ``block`` verification through the JIT-compiled headers; contract of
-    :func:`specadapt.kernels.verify` (CUDA tensors, probabilities float32 / bfloat16, L <= 64).
+    """Single-path verification (``chain`` / ``block``: the rule's one JIT kernel) through the JIT-compiled
+    headers; contract of :func:`specadapt.kernels.verify` (CUDA tensors, probabilities float32 / bfloat16, L <= 64).
 
-    Returns ``(accept_len [B] int32, output_tokens [B, L+1] int32)``. Raises ValueError for L > 64.
+    Returns ``(accept_len [B] int32, output_tokens [B, L+1] int32)``. Raises ValueError for L > 64 or a rule that
+    is not a registered single-path rule.
     """
     import numpy as np
+
+    spec = get_rule(rule, "rule")
+    if spec.multi_path:
+        raise ValueError(f"rule {rule!r} verifies K paths; cuda_jit.verify runs single-path rules")
 
     B, L, V = candidates.shape[0], candidates.shape[1] - 1, target_probs.shape[2]
     if L > MAX_DRAFTS:
@@ -188,13 +225,14 @@ def verify(rule, candidates, target_probs, draft_probs, uniforms, uniforms_final
     if B:
         args = (_ptr(p), _ptr(q), _ptr(cand), _ptr(u), _ptr(uf), _ptr(n), _ptr(accept_len), _ptr(output_tokens),
                 _ptr(error), np.int64(L), np.int64(V))
-        _launch(_kernel(rule, p.dtype, dev), (B,), (THREADS,), args, dev)
+        _launch(_kernel(spec.jit_kernels[0][0], p.dtype, dev), (B,), (THREADS,), args, dev)
     return accept_len, output_tokens
 
 
 def gbv_verify(candidates, target_probs, draft_probs, uniforms, uniforms_final):
     """GBV through the JIT-compiled headers (the pipeline of ``csrc/cuda/gbv.cu``, with a stable ``torch.sort``
-    per depth for the ranking); contract of :func:`specadapt.kernels.gbv_verify` on CUDA tensors, K <= 32.
+    per depth for the ranking); contract of :func:`specadapt.kernels.verify_paths` on CUDA tensors, K <= 32. The
+    host pipeline of the ``gbv`` rule (named like its op, ``gbv_verify``, as the registry says).
 
     Returns ``(accept_len [B], output_tokens [B, L+1], chosen_path [B])`` int32. Raises ValueError for K > 32.
     """

@@ -14,10 +14,11 @@ import logging
 
 import torch
 
-from .verification import VERIFY_RULES, VerifyOutput
+from .verification import VerifyOutput
 from .verification.block import residual_mass_reference
 from .verification.common import sample_from_unnormalized
-from .verification.gbv import GBVOutput, gbv_verify as gbv_verify_reference
+from .verification.gbv import GBVOutput
+from .verification.rules import RULES, VerificationRule, get_rule, rule_names
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +28,8 @@ __all__ = [
     "block_residual_mass",
     "has_op_for",
     "verify",
+    "verify_paths",
+    "verify_paths_capped",
     "gbv_verify",
     "gbv_verify_capped",
     "IMPLEMENTATIONS",
@@ -71,16 +74,7 @@ if extension_available():
             candidates.new_empty((batch, slots), dtype=torch.int32),
         )
 
-    torch.library.register_fake("specadapt::chain_verify")(_single_path_fake)
-    torch.library.register_fake("specadapt::block_verify")(_single_path_fake)
-
-    @torch.library.register_fake("specadapt::irls_accumulate")
-    def _irls_fake(features, predictions, accepted, verified):
-        torch._check(features.dim() == 2)
-        return features.new_empty((features.shape[1], 6), dtype=torch.float64)
-
-    @torch.library.register_fake("specadapt::gbv_verify")
-    def _gbv_fake(candidates, target_probs, draft_probs, uniforms, uniforms_final):
+    def _multi_path_fake(candidates, target_probs, draft_probs, uniforms, uniforms_final):
         torch._check(candidates.dim() == 3)
         batch, _, slots = candidates.shape
         return (
@@ -88,6 +82,15 @@ if extension_available():
             candidates.new_empty((batch, slots), dtype=torch.int32),
             candidates.new_empty((batch,), dtype=torch.int32),
         )
+
+    for _spec in RULES.values():  # one fake per registered rule, by its op signature
+        _fake = _multi_path_fake if _spec.multi_path else _single_path_fake
+        torch.library.register_fake(f"specadapt::{_spec.op}")(_fake)
+
+    @torch.library.register_fake("specadapt::irls_accumulate")
+    def _irls_fake(features, predictions, accepted, verified):
+        torch._check(features.dim() == 2)
+        return features.new_empty((features.shape[1], 6), dtype=torch.float64)
 
 
 def has_op_for(op_name: str, device: torch.device) -> bool:
@@ -193,32 +196,6 @@ def _check_finite_target(target_probs: torch.Tensor) -> None:
         raise ValueError("target_probs contains NaN, inf or negative entries")
 
 
-def _check_jit_args(candidates, target_probs, draft_probs, uniforms, uniforms_final, paths: bool = False) -> None:
-    """Shapes, dtypes and devices for the JIT path (the compiled ops check these in C++)."""
-    lead = 2 if paths else 1
-    if candidates.dim() != lead + 1 or target_probs.dim() != lead + 2 or draft_probs.dim() != lead + 2:
-        raise ValueError(f"candidates / target_probs / draft_probs must be [B, {'K, ' if paths else ''}L+1] / "
-                         f"[..., L+1, V] / [..., L, V], got {tuple(candidates.shape)}, {tuple(target_probs.shape)}, "
-                         f"{tuple(draft_probs.shape)}")
-    if target_probs.shape[:-1] != candidates.shape or draft_probs.shape[:-2] != candidates.shape[:-1] \
-            or draft_probs.shape[-2] != candidates.shape[-1] - 1 or draft_probs.shape[-1] != target_probs.shape[-1]:
-        raise ValueError(f"target_probs {tuple(target_probs.shape)} and draft_probs {tuple(draft_probs.shape)} do not "
-                         f"fit candidates {tuple(candidates.shape)}")
-    if target_probs.shape[-1] < 1 or (paths and candidates.shape[1] < 1):
-        raise ValueError(f"target_probs needs V >= 1 and candidates K >= 1 paths, got {tuple(target_probs.shape)}")
-    if draft_probs.dtype != target_probs.dtype:
-        raise ValueError(f"draft_probs dtype must match target_probs ({target_probs.dtype}), got {draft_probs.dtype}")
-    if candidates.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"candidates must be int64 or int32, got {candidates.dtype}")
-    B, L = candidates.shape[0], candidates.shape[-1] - 1
-    if tuple(uniforms.shape) != (B, L) or tuple(uniforms_final.shape) != (B,):
-        raise ValueError(f"uniforms must be [B, L] = [{B}, {L}] and uniforms_final [B] = [{B}], got "
-                         f"{tuple(uniforms.shape)} and {tuple(uniforms_final.shape)}")
-    devices = {t.device for t in (candidates, target_probs, draft_probs, uniforms, uniforms_final)}
-    if len(devices) != 1:
-        raise ValueError("candidates, target_probs, draft_probs, uniforms and uniforms_final must be on one device")
-
-
 def _call_op(op, *args):
     try:
         return op(*args)
@@ -237,7 +214,8 @@ def verify(
     impl: str = "auto",
     debug: bool = False,
 ) -> VerifyOutput:
-    """Single-path verification (``chain`` or ``block``) with the fastest implementation available.
+    """Single-path verification (a rule of :data:`specadapt.verification.rules.RULES` with ``multi_path`` false:
+    ``chain``, ``block``) with the fastest implementation available.
 
     Same contract and the same tokens for the same coins as the float64 references in
     :mod:`specadapt.verification` (``candidates [B, L+1] int64``, ``target_probs [B, L+1, V]``,
@@ -245,22 +223,22 @@ def verify(
     ``num_draft_tokens [B]``; returns ``accept_len [B] int32`` and ``output_tokens [B, L+1] int32``).
 
     Args:
-        rule: ``chain`` or ``block``.
+        rule: a single-path rule name (``chain`` or ``block``).
         impl: ``auto`` (compiled kernel when one exists for the device and dtype, else on CUDA the CuPy JIT of the
             same kernels, else the reference, with a logged warning), ``compiled`` / ``cupy`` (error if
             unavailable) or ``reference``; see :func:`choose_implementation`.
         debug: raise on NaN/inf/negative target probabilities.
 
     Raises:
-        ValueError: unknown rule or impl, bad shapes/dtypes/ids/coins (the message names the argument).
+        ValueError: unknown or multi-path rule, unknown impl, bad shapes/dtypes/ids/coins (the message names the
+            argument).
     """
-    if rule not in VERIFY_RULES:
-        raise ValueError(f"unknown verification rule {rule!r}; choose one of {sorted(VERIFY_RULES)}")
+    spec = _rule(rule, multi_path=False)
     if not isinstance(target_probs, torch.Tensor):
         raise TypeError(f"target_probs must be a torch.Tensor, got {type(target_probs).__name__}")
-    chosen = choose_implementation(f"{rule}_verify", impl, target_probs.device, target_probs.dtype)
+    chosen = choose_implementation(spec.op, impl, target_probs.device, target_probs.dtype)
     if chosen == "reference":
-        return VERIFY_RULES[rule](
+        return spec.reference(
             candidates, target_probs, draft_probs, uniforms, uniforms_final, num_draft_tokens, debug=debug
         )
     if debug:
@@ -268,14 +246,63 @@ def verify(
     if chosen == "cupy":
         from . import cuda_jit
 
-        _check_jit_args(candidates, target_probs, draft_probs, uniforms, uniforms_final)
-        return VerifyOutput(*cuda_jit.verify(rule, candidates, target_probs, draft_probs, uniforms, uniforms_final,
-                                             num_draft_tokens))
-    op = getattr(torch.ops.specadapt, f"{rule}_verify")
+        cuda_jit.check_args(candidates, target_probs, draft_probs, uniforms, uniforms_final)
+        return VerifyOutput(*cuda_jit.verify(spec.name, candidates, target_probs, draft_probs, uniforms,
+                                             uniforms_final, num_draft_tokens))
+    op = getattr(torch.ops.specadapt, spec.op)
     accept_len, output_tokens = _call_op(
         op, candidates, target_probs, draft_probs, uniforms, uniforms_final, num_draft_tokens
     )
     return VerifyOutput(accept_len=accept_len, output_tokens=output_tokens)
+
+
+def _rule(rule: str, multi_path: bool) -> VerificationRule:
+    """The registered rule ``rule``, checked to be single- or multi-path as the caller needs."""
+    spec = get_rule(rule, "rule")
+    if spec.multi_path != multi_path:
+        kind, call = ("multi-path", "verify_paths") if spec.multi_path else ("single-path", "verify")
+        raise ValueError(f"rule {rule!r} is a {kind} rule: call kernels.{call} (rules here: "
+                         f"{', '.join(rule_names(multi_path))})")
+    return spec
+
+
+def verify_paths(
+    rule: str,
+    candidates: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    uniforms: torch.Tensor,
+    uniforms_final: torch.Tensor,
+    impl: str = "auto",
+    debug: bool = False,
+) -> GBVOutput:
+    """Multi-path verification (a rule with ``multi_path`` true: ``gbv``) with the fastest implementation available.
+
+    Contract of the rule's reference (:func:`specadapt.verification.gbv.gbv_verify`): ``candidates [B, K, L+1]``,
+    ``target_probs [B, K, L+1, V]``, ``draft_probs [B, K, L, V]``, ``uniforms [B, L]``, ``uniforms_final [B]``
+    -> ``accept_len [B]``, ``output_tokens [B, L+1]``, ``chosen_path [B]`` (int32).
+
+    Raises:
+        ValueError: unknown or single-path rule; otherwise as :func:`verify`.
+    """
+    spec = _rule(rule, multi_path=True)
+    if not isinstance(target_probs, torch.Tensor):
+        raise TypeError(f"target_probs must be a torch.Tensor, got {type(target_probs).__name__}")
+    chosen = choose_implementation(spec.op, impl, target_probs.device, target_probs.dtype)
+    if chosen == "reference":
+        return spec.reference(candidates, target_probs, draft_probs, uniforms, uniforms_final, debug=debug)
+    if debug:
+        _check_finite_target(target_probs)
+    if chosen == "cupy":
+        from . import cuda_jit
+
+        cuda_jit.check_args(candidates, target_probs, draft_probs, uniforms, uniforms_final, paths=True)
+        pipeline = getattr(cuda_jit, spec.op)  # the rule's host pipeline of JIT kernels
+        return GBVOutput(*pipeline(candidates, target_probs, draft_probs, uniforms, uniforms_final))
+    accept_len, output_tokens, chosen = _call_op(
+        getattr(torch.ops.specadapt, spec.op), candidates, target_probs, draft_probs, uniforms, uniforms_final
+    )
+    return GBVOutput(accept_len, output_tokens, chosen)
 
 
 def gbv_verify(
@@ -287,32 +314,61 @@ def gbv_verify(
     impl: str = "auto",
     debug: bool = False,
 ) -> GBVOutput:
-    """Greedy multi-path block verification with the fastest implementation available.
+    """Greedy multi-path block verification: :func:`verify_paths` with ``rule="gbv"`` (same contract and errors)."""
+    return verify_paths("gbv", candidates, target_probs, draft_probs, uniforms, uniforms_final, impl=impl,
+                        debug=debug)
 
-    Contract of :func:`specadapt.verification.gbv.gbv_verify`: ``candidates [B, K, L+1]``,
-    ``target_probs [B, K, L+1, V]``, ``draft_probs [B, K, L, V]``, ``uniforms [B, L]``, ``uniforms_final [B]``
-    -> ``accept_len [B]``, ``output_tokens [B, L+1]``, ``chosen_path [B]`` (int32).
 
-    Raises:
-        ValueError: as :func:`verify`.
+def verify_paths_capped(
+    rule: str,
+    candidates: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    uniforms: torch.Tensor,
+    uniforms_final: torch.Tensor,
+    caps: torch.Tensor,
+    impl: str = "auto",
+) -> GBVOutput:
+    """:func:`verify_paths` with request ``b`` verifying only the first ``caps[b]`` drafts of every path (adaptive
+    verification's per-request budget, a rule's ``adaptive_caps == "shared_prefix"``): the rule at depth
+    ``caps[b]`` on the paths' prefixes, one call per distinct cap; a request with cap 0 takes its next token
+    straight from the target (``target_probs[b, 0, 0]`` with ``uniforms_final[b]``, inverse CDF). Exact when the
+    caps do not depend on the drafted tokens (for example chosen from the committed context only, as the embedded
+    engine does).
+
+    Args:
+        rule: a multi-path rule name (``gbv``).
+        candidates ... uniforms_final: as :func:`verify_paths` (``[B, K, L+1]``, ``[B, K, L+1, V]``, ``[B, K, L, V]``,
+            ``[B, L]``, ``[B]``).
+        caps: ``[B]`` int, clamped to ``[0, L]``.
+
+    Returns:
+        :class:`GBVOutput` (``accept_len [B]``, ``output_tokens [B, L+1]``, ``chosen_path [B]``, int32; columns past
+        ``caps[b] + 1`` are 0).
     """
-    if not isinstance(target_probs, torch.Tensor):
-        raise TypeError(f"target_probs must be a torch.Tensor, got {type(target_probs).__name__}")
-    chosen = choose_implementation("gbv_verify", impl, target_probs.device, target_probs.dtype)
-    if chosen == "reference":
-        return gbv_verify_reference(candidates, target_probs, draft_probs, uniforms, uniforms_final, debug=debug)
-    if debug:
-        _check_finite_target(target_probs)
-    if chosen == "cupy":
-        from . import cuda_jit
-
-        _check_jit_args(candidates, target_probs, draft_probs, uniforms, uniforms_final, paths=True)
-        return GBVOutput(*cuda_jit.gbv_verify(candidates, target_probs, draft_probs, uniforms, uniforms_final))
-    accept_len, output_tokens, chosen = _call_op(
-        torch.ops.specadapt.gbv_verify, candidates, target_probs, draft_probs, uniforms, uniforms_final
-    )
-    return GBVOutput(accept_len, output_tokens, chosen)
-
+    _rule(rule, multi_path=True)
+    batch, _, slots = candidates.shape
+    depth = slots - 1
+    device = candidates.device
+    caps_host = caps.to("cpu", torch.int64).clamp(0, depth)
+    if bool((caps_host >= depth).all()):
+        return verify_paths(rule, candidates, target_probs, draft_probs, uniforms, uniforms_final, impl=impl)
+    accept_len = torch.zeros(batch, dtype=torch.int32, device=device)
+    output = torch.zeros(batch, slots, dtype=torch.int32, device=device)
+    chosen = torch.zeros(batch, dtype=torch.int32, device=device)
+    for cap in sorted(set(caps_host.tolist())):
+        rows = (caps_host == cap).nonzero().squeeze(1).to(device)
+        if cap == 0:  # nothing verified: the next token straight from the target
+            p = target_probs[rows, 0, 0].double()
+            output[rows, 0] = sample_from_unnormalized(p, p, uniforms_final[rows].double()).to(torch.int32)
+            continue
+        part = verify_paths(rule, candidates[rows, :, : cap + 1].contiguous(),
+                            target_probs[rows, :, : cap + 1].contiguous(), draft_probs[rows, :, :cap].contiguous(),
+                            uniforms[rows, :cap].contiguous(), uniforms_final[rows].contiguous(), impl=impl)
+        accept_len[rows] = part.accept_len.to(torch.int32)
+        output[rows, : cap + 1] = part.output_tokens.to(torch.int32)
+        chosen[rows] = part.chosen_path.to(torch.int32)
+    return GBVOutput(accept_len, output, chosen)
 
 
 def gbv_verify_capped(
@@ -324,43 +380,8 @@ def gbv_verify_capped(
     caps: torch.Tensor,
     impl: str = "auto",
 ) -> GBVOutput:
-    """:func:`gbv_verify` with request ``b`` verifying only the first ``caps[b]`` drafts of every path (adaptive
-    verification's per-request budget): a GBV of depth ``caps[b]`` on the paths' prefixes, one call per distinct
-    cap; a request with cap 0 takes its next token straight from the target (``target_probs[b, 0, 0]`` with
-    ``uniforms_final[b]``, inverse CDF). Exact when the caps do not depend on the drafted tokens (for example
-    chosen from the committed context only, as the embedded engine does).
-
-    Args:
-        candidates ... uniforms_final: as :func:`gbv_verify` (``[B, K, L+1]``, ``[B, K, L+1, V]``, ``[B, K, L, V]``,
-            ``[B, L]``, ``[B]``).
-        caps: ``[B]`` int, clamped to ``[0, L]``.
-
-    Returns:
-        :class:`GBVOutput` (``accept_len [B]``, ``output_tokens [B, L+1]``, ``chosen_path [B]``, int32; columns past
-        ``caps[b] + 1`` are 0).
-    """
-    batch, _, slots = candidates.shape
-    depth = slots - 1
-    device = candidates.device
-    caps_host = caps.to("cpu", torch.int64).clamp(0, depth)
-    if bool((caps_host >= depth).all()):
-        return gbv_verify(candidates, target_probs, draft_probs, uniforms, uniforms_final, impl=impl)
-    accept_len = torch.zeros(batch, dtype=torch.int32, device=device)
-    output = torch.zeros(batch, slots, dtype=torch.int32, device=device)
-    chosen = torch.zeros(batch, dtype=torch.int32, device=device)
-    for cap in sorted(set(caps_host.tolist())):
-        rows = (caps_host == cap).nonzero().squeeze(1).to(device)
-        if cap == 0:  # nothing verified: the next token straight from the target
-            p = target_probs[rows, 0, 0].double()
-            output[rows, 0] = sample_from_unnormalized(p, p, uniforms_final[rows].double()).to(torch.int32)
-            continue
-        part = gbv_verify(candidates[rows, :, : cap + 1].contiguous(), target_probs[rows, :, : cap + 1].contiguous(),
-                          draft_probs[rows, :, :cap].contiguous(), uniforms[rows, :cap].contiguous(),
-                          uniforms_final[rows].contiguous(), impl=impl)
-        accept_len[rows] = part.accept_len.to(torch.int32)
-        output[rows, : cap + 1] = part.output_tokens.to(torch.int32)
-        chosen[rows] = part.chosen_path.to(torch.int32)
-    return GBVOutput(accept_len, output, chosen)
+    """:func:`verify_paths_capped` with ``rule="gbv"`` (same contract)."""
+    return verify_paths_capped("gbv", candidates, target_probs, draft_probs, uniforms, uniforms_final, caps, impl=impl)
 
 
 def irls_accumulate(

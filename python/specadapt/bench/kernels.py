@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .. import kernels
+from ..verification.rules import RULES, get_rule
 from . import baselines as baselines_mod
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,8 @@ __all__ = ["Case", "CaseResult", "FULL_SWEEP", "QUICK_CASES", "copy_bandwidth_gb
 
 @dataclass(frozen=True)
 class Case:
-    """One benchmark configuration: ``op`` in chain / block / gbv, batch ``B``, drafts ``L``, vocab ``V``, paths ``K``."""
+    """One benchmark configuration: ``op`` a rule of :data:`specadapt.verification.rules.RULES` (chain / block /
+    gbv), batch ``B``, drafts ``L``, vocab ``V``, paths ``K`` (1 for a single-path rule)."""
 
     op: str
     B: int
@@ -67,10 +69,9 @@ class CaseResult:
 def _full_sweep() -> list[Case]:
     cases = []
     for B, L, V in itertools.product((1, 8, 32, 64), (4, 8, 16), (32000, 49152, 151936)):
-        cases.append(Case("chain", B, L, V))
-        cases.append(Case("block", B, L, V))
-        for K in (1, 2, 3, 4):
-            cases.append(Case("gbv", B, L, V, K))
+        for rule in RULES.values():
+            for K in ((1, 2, 3, 4) if rule.multi_path else (1,)):
+                cases.append(Case(rule.name, B, L, V, K))
     return cases
 
 
@@ -111,14 +112,15 @@ def _sync(device: torch.device) -> None:
 def make_inputs(case: Case, device: torch.device, seed: int = 0, dtype=torch.float32):
     """Random verification inputs of the contract (probability rows from softmax; drafts sampled from q)."""
     g = torch.Generator().manual_seed(seed)
-    lead = (case.B,) if case.op != "gbv" else (case.B, case.K)
+    multi_path = get_rule(case.op, "case.op").multi_path
+    lead = (case.B, case.K) if multi_path else (case.B,)
     p = torch.softmax(torch.randn(*lead, case.L + 1, case.V, generator=g) * 3, -1)
     q = torch.softmax(torch.randn(*lead, case.L, case.V, generator=g) * 3, -1)
-    if case.op == "gbv":  # one tree: the K paths share their rows, tokens drawn from q
+    if multi_path:  # one tree: the K paths share their rows, tokens drawn from q
         p[:, 1:] = p[:, :1]
         q[:, 1:] = q[:, :1]
     drafts = torch.multinomial(q.reshape(-1, case.V), 1, generator=g).reshape(*lead, case.L)
-    if case.op == "gbv":
+    if multi_path:
         # paths must be consistent with the shared rows: identical rows for every prefix are only valid if
         # all paths follow the same nodes, so use the same draws for every path
         drafts[:, 1:] = drafts[:, :1]
@@ -129,8 +131,8 @@ def make_inputs(case: Case, device: torch.device, seed: int = 0, dtype=torch.flo
 
 
 def _call(case: Case, impl: str, args):
-    if case.op == "gbv":
-        return kernels.gbv_verify(*args, impl=impl)
+    if get_rule(case.op, "case.op").multi_path:
+        return kernels.verify_paths(case.op, *args, impl=impl)
     return kernels.verify(case.op, *args, impl=impl)
 
 
@@ -173,7 +175,7 @@ def run_case(case: Case, device: torch.device, copy_gbps: float, repeats: int = 
     args = make_inputs(case, device)
     fused_ms = _time(lambda: _call(case, impl, args), device, repeats)
     elt = args[1].element_size()
-    paths = case.K if case.op == "gbv" else 1
+    paths = case.K if get_rule(case.op, "case.op").multi_path else 1
     bytes_moved = case.B * paths * ((case.L + 1) + case.L) * case.V * elt + case.B * (case.L + 3) * 4
     gbps = bytes_moved / (fused_ms / 1e3) / 1e9
     ref_ms = _time(lambda: _call(case, "reference", args), device, reference_repeats) if with_reference else None
@@ -215,8 +217,9 @@ def run_benchmark(cases: list[Case], device: torch.device, repeats: int = 10, re
     copy_gbps = copy_bandwidth_gbps(device)
     results = []
     for case in tqdm(cases, desc="bench-kernels", disable=not progress):
-        if impl == "compiled" and case.op == "gbv" and not kernels.has_op_for("gbv_verify", device):
-            logger.warning("skipping %s: no compiled gbv_verify for %s", case, device.type)
+        op = get_rule(case.op, "case.op").op
+        if impl == "compiled" and not kernels.has_op_for(op, device):
+            logger.warning("skipping %s: no compiled %s for %s", case, op, device.type)
             continue
         results.append(run_case(case, device, copy_gbps, repeats, reference_repeats, with_reference,
                                 baselines=loaded, impl=impl).record())

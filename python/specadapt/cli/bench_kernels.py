@@ -14,6 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
+from ..verification.rules import RULES, join_names
 from .common import UsageError
 
 
@@ -26,7 +27,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--quick", action="store_true", help="a representative subset (under a minute on CPU)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--ops", default="chain,block,gbv", help="comma-separated subset of chain,block,gbv")
+    p.add_argument("--ops", default=",".join(RULES), help=f"comma-separated subset of {','.join(RULES)}")
     p.add_argument("--repeats", type=int, default=10, help="timed repeats of the fused kernel per case")
     p.add_argument("--reference-repeats", type=int, default=1, help="timed repeats of the slow reference")
     p.add_argument("--no-reference", action="store_true", help="skip timing the reference")
@@ -51,9 +52,9 @@ def run(args) -> int:
     if args.repeats < 1 or args.reference_repeats < 1:
         raise UsageError("--repeats and --reference-repeats must be >= 1")
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
-    unknown = sorted(set(ops) - {"chain", "block", "gbv"})
+    unknown = sorted(set(ops) - set(RULES))
     if unknown or not ops:
-        raise UsageError(f"--ops must name chain, block or gbv, got {args.ops!r}")
+        raise UsageError(f"--ops must name {join_names(RULES)}, got {args.ops!r}")
     cases = [c for c in (QUICK_CASES if args.quick else FULL_SWEEP) if c.op in ops]
     try:
         report = run_benchmark(cases, torch.device(args.device), args.repeats, args.reference_repeats,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from ..verification.rules import DEFAULT_RULE, RULES, get_rule, join_names, rule_names
 from .common import UsageError
 
 logger = logging.getLogger(__name__)
@@ -18,7 +19,7 @@ ENGINE_DEFAULTS = dict(
     top_p=0.95,
     top_k=0,
     num_draft_tokens=None,  # per draft: default_num_draft_tokens()
-    verify="chain",
+    verify=DEFAULT_RULE,
     seed=0,
     dtype="auto",
     forward="auto",
@@ -52,10 +53,13 @@ def add_engine_arguments(p) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=d["num_draft_tokens"],
                    help="L, drafts per round; default by measurement (docs/results.md): 1 for ngram and eagle with "
                         "chain / block, 2 with gbv, 5 for other drafts and with --adaptive-verification (it prunes)")
-    p.add_argument("--verify", default=d["verify"], choices=["chain", "block", "gbv"], help="verification rule")
+    p.add_argument("--verify", default=d["verify"], choices=list(RULES), help="verification rule: " + "; ".join(
+        f"{r.name}: {r.description}" for r in RULES.values()))
     p.add_argument(
         "--num-paths", type=int, default=None,
-        help="K, sampled draft paths per request for --verify gbv (None: 3 for gbv, 1 for chain/block)",
+        help=f"K, sampled draft paths per request for --verify {join_names(rule_names(multi_path=True))} (None: "
+             + ", ".join(f"{RULES[n].default_num_paths} for {n}" for n in rule_names(multi_path=True))
+             + f", 1 for {'/'.join(rule_names(multi_path=False))})",
     )
     p.add_argument(
         "--verify-impl", default="auto", choices=["auto", "compiled", "cupy", "reference"],
@@ -141,7 +145,8 @@ def validate_engine_args(args) -> None:
     """
     if args.draft == "none":  # target-only decoding: no drafts, nothing to adapt or prune
         for flag, on in (("--tts", args.tts), ("--adaptive-verification", args.adaptive_verification),
-                         ("--log-drafts", args.log_drafts), ("--verify gbv", args.verify == "gbv")):
+                         ("--log-drafts", args.log_drafts),
+                         (f"--verify {args.verify}", get_rule(args.verify, "--verify").multi_path)):
             if on:
                 raise UsageError(f"{flag} needs a draft; --draft none decodes target-only")
         if args.num_draft_tokens not in (None, 0):
@@ -160,11 +165,12 @@ def validate_engine_args(args) -> None:
     args.logit_bias_map = parse_logit_bias(args.logit_bias)
     sampling_params(args)  # every sampling flag's range, named
     if args.num_paths is None:
-        args.num_paths = 3 if args.verify == "gbv" else 1
+        args.num_paths = get_rule(args.verify).default_num_paths
     if args.num_paths < 1:
         raise UsageError(f"--num-paths must be >= 1, got {args.num_paths}")
-    if args.num_paths > 1 and args.verify != "gbv":
-        raise UsageError(f"--num-paths {args.num_paths} needs --verify gbv (chain and block verify one path)")
+    if args.num_paths > 1 and not get_rule(args.verify).multi_path:
+        raise UsageError(f"--num-paths {args.num_paths} needs --verify {join_names(rule_names(multi_path=True))} "
+                         f"({join_names(rule_names(multi_path=False), 'and')} verify one path)")
     if args.av_refit_interval < 1:
         raise UsageError(f"--av-refit-interval must be >= 1, got {args.av_refit_interval}")
     if args.av_damping < 0:
@@ -174,8 +180,11 @@ def validate_engine_args(args) -> None:
     if args.av_probe_interval_max < args.av_probe_interval:
         raise UsageError(f"--av-probe-interval-max must be >= --av-probe-interval ({args.av_probe_interval}), "
                          f"got {args.av_probe_interval_max}")
-    if args.log_drafts and args.verify == "gbv":
-        raise UsageError("--log-drafts logs the estimator of chain / block verification, not gbv")
+    if args.adaptive_verification and not get_rule(args.verify).adaptive:
+        raise UsageError(f"--adaptive-verification does not apply to --verify {args.verify}")
+    if args.log_drafts and get_rule(args.verify).multi_path:
+        raise UsageError(f"--log-drafts logs the estimator of {' / '.join(rule_names(multi_path=False))} "
+                         f"verification, not {args.verify}")
     from ..engine.factory import parse_draft_spec
 
     try:
@@ -188,9 +197,9 @@ def validate_engine_args(args) -> None:
         if not os.path.exists(args.draft):
             raise UsageError(f"--draft: {args.draft!r} is neither none, ngram, eagle, eagle:PATH, self:N nor an "
                              "existing model directory or .gguf file")
-    if args.verify == "gbv" and draft_kind == "ngram":
-        raise UsageError("--verify gbv needs a sampled draft (eagle, self:N or a model path): the ngram draft "
-                         "proposes one deterministic path")
+    if get_rule(args.verify).multi_path and draft_kind == "ngram":
+        raise UsageError(f"--verify {args.verify} needs a sampled draft (eagle, self:N or a model path): the ngram "
+                         "draft proposes one deterministic path")
     if args.tts:
         if draft_kind == "ngram":
             raise UsageError("--tts needs a model draft (--draft eagle, self:N or a model path): ngram has no weights")
@@ -217,7 +226,8 @@ def default_num_draft_tokens(draft: str, verify: str, adaptive: bool) -> int:
     family = draft.split(":", 1)[0]
     if family not in MEASURED_NUM_DRAFT_TOKENS:
         return 5
-    return 2 if verify == "gbv" else MEASURED_NUM_DRAFT_TOKENS[family]
+    measured = get_rule(verify, "verify").measured_num_draft_tokens  # gbv: K paths of 2
+    return measured if measured is not None else MEASURED_NUM_DRAFT_TOKENS[family]
 
 
 _SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",

@@ -12,6 +12,7 @@ import argparse
 import logging
 import time
 
+from ..verification.rules import DEFAULT_RULE
 from .common import UsageError
 from .engine_args import (ENGINE_DEFAULTS, _silence_gguf_progress, _tokenize, add_engine_arguments, build_engine,
                           validate_engine_args)
@@ -119,7 +120,7 @@ def run(args) -> int:
     base_results = base_seconds = None
     if args.baseline:
         base_engine = SpeculativeEngine(
-            target, NoDraft(), sampling, 0, "chain", seed=args.seed, verify_impl=args.verify_impl,
+            target, NoDraft(), sampling, 0, DEFAULT_RULE, seed=args.seed, verify_impl=args.verify_impl,
             ignore_eos=args.ignore_eos, packed_forward=args.packed_forward,
         )
         forced = [r.output_ids for r in spec_results] if args.baseline_mode == "paired" else None

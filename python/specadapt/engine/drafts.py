@@ -38,6 +38,8 @@ __all__ = [
     "self_draft",
     "check_same_vocabulary",
     "VocabularyMismatchError",
+    "empty_proposal",
+    "pad_token_lists",
 ]
 
 
@@ -177,7 +179,9 @@ def trim_proposal(proposal: DraftProposal) -> None:
         proposal.probs = proposal.probs[:, :width]
 
 
-def _empty_proposal(batch: int, length: int, vocab: int) -> DraftProposal:
+def empty_proposal(batch: int, length: int, vocab: int) -> DraftProposal:
+    """A proposal of no drafts to fill: ``tokens [batch, length] int64`` and ``probs [batch, length, vocab] float32``
+    zeros, ``num_tokens [batch] int64`` zeros."""
     return DraftProposal(
         tokens=torch.zeros(batch, length, dtype=torch.int64),
         probs=torch.zeros(batch, length, vocab, dtype=torch.float32),
@@ -191,7 +195,7 @@ class NoDraft(Draft):
     name = "none"
 
     def propose(self, histories, max_tokens, vocab_size):
-        return _empty_proposal(len(histories), 0, vocab_size)
+        return empty_proposal(len(histories), 0, vocab_size)
 
 
 def ngram_lookup(history: np.ndarray, max_tokens: int, max_ngram: int = 4, min_ngram: int = 1) -> np.ndarray:
@@ -234,7 +238,7 @@ class NgramDraft(Draft):
     def propose(self, histories, max_tokens, vocab_size):
         batch = len(histories)
         length = int(max_tokens.max()) if batch else 0
-        proposal = _empty_proposal(batch, length, vocab_size)
+        proposal = empty_proposal(batch, length, vocab_size)
         for r, history in enumerate(histories):
             found = ngram_lookup(np.asarray(history, dtype=np.int64), int(max_tokens[r]), self.max_ngram, self.min_ngram)
             k = found.shape[0]
@@ -279,14 +283,14 @@ class ModelDraft(Draft):
             self.kv = RaggedKVCache(self.model, len(histories))
         prefix = [h[:-1] for h in histories]
         if max(len(p) for p in prefix) > 0:
-            ids, counts = _pad(prefix)
+            ids, counts = pad_token_lists(prefix)
             self.kv.forward(ids, counts, logits_to_keep=1)
 
     def propose(self, histories, max_tokens, vocab_size):
         assert self.kv is not None, "start() must be called first"
         batch = len(histories)
         length = int(max_tokens.max()) if batch else 0
-        proposal = _empty_proposal(batch, length, vocab_size)
+        proposal = empty_proposal(batch, length, vocab_size)
         proposal.num_tokens = max_tokens.clone().to(torch.int64)
         self._committed_before = torch.tensor([len(h) for h in histories], dtype=torch.int64)
         self._drafts_fed = 0
@@ -318,7 +322,7 @@ class ModelDraft(Draft):
         """Feed each request's committed tokens not yet in the draft cache (a ragged chunk, usually 1-2
         tokens) and return the logits after its last one, ``[B, V]``."""
         cached = self.kv.lengths.cpu().tolist()
-        ids, counts = _pad([h[c:] for h, c in zip(histories, cached)])
+        ids, counts = pad_token_lists([h[c:] for h, c in zip(histories, cached)])
         logits = self.kv.forward(ids, counts)
         return logits[torch.arange(len(histories)), (counts - 1).clamp_min(0).to(logits.device)]
 
@@ -419,8 +423,8 @@ def draw_tokens(probs: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
     return sample_from_probs(source, coins.reshape(-1)).view(rows, count)
 
 
-def _pad(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad token lists into ``([B, n] int64, counts [B] int64)`` (pad id 0, masked as holes)."""
+def pad_token_lists(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token lists into ``([B, n] int64, counts [B] int64)`` (pad id 0, masked as holes; ``n >= 1``)."""
     counts = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
     width = max(int(counts.max()), 1) if len(sequences) else 1
     ids = torch.zeros(len(sequences), width, dtype=torch.int64)

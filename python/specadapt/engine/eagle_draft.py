@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from ..sampling import SamplingParams, logits_to_probs_rows
-from .drafts import (Draft, DraftProposal, _empty_proposal, _pad, _step_history, apply_draft_filter, draft_coins,
-                     draw_tokens, trim_proposal)
+from .drafts import (Draft, DraftProposal, _step_history, apply_draft_filter, draft_coins, draw_tokens, empty_proposal,
+                     pad_token_lists, trim_proposal)
 from .eagle import EagleHead
 from .kv import RaggedKVCache
 
@@ -108,7 +108,8 @@ class EagleDraft(Draft):
                 raise RuntimeError("EAGLE draft has context but no pending pairs: observe_target was not called")
             dtype = self.head.fuse.weight.dtype
             return torch.zeros(batch, hidden, dtype=dtype), torch.zeros(batch, self.head.draft_vocab.numel()), has
-        ids, _ = _pad([h[len(h) - int(c) :] if c else [] for h, c in zip(histories, counts.tolist())])  # [B, width]
+        ids, _ = pad_token_lists([h[len(h) - int(c) :] if c else []
+                                  for h, c in zip(histories, counts.tolist())])  # [B, width]
         feats = self._pending[:, :width]
         out = self.kv.forward(ids, counts, return_outputs=True, features=feats)
         last = (counts - 1).clamp_min(0)
@@ -143,14 +144,14 @@ class EagleDraft(Draft):
         drafting = max_tokens.to(torch.int64) > 0
         if not bool(drafting.any()):  # speculation off for every row: no draft work, the catch-up is deferred
             self._fed_before = self.kv.lengths.cpu().clone()
-            proposal = _empty_proposal(batch, 0, vocab_size)
+            proposal = empty_proposal(batch, 0, vocab_size)
             proposal.num_tokens = torch.zeros(batch, dtype=torch.int64)
             return proposal
         g, logits, has_context = self._feed_pending(histories, rows=drafting)
         self._fed_before = self.kv.lengths.cpu().clone()
         num = torch.where(has_context & drafting, max_tokens.to(torch.int64), torch.zeros_like(max_tokens, dtype=torch.int64))
         length = int(num.max()) if batch else 0
-        proposal = _empty_proposal(batch, length, vocab_size)
+        proposal = empty_proposal(batch, length, vocab_size)
         proposal.num_tokens = num
         vocab = self.head.draft_vocab.cpu()
         history = _step_history(self.history_counts, self.sampling)  # committed + drafts[:i]

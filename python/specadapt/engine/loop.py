@@ -5,7 +5,8 @@ One round, for every active request at once (specs/verification.md):
 1. the draft proposes ``L_r <= L`` tokens per request, keeping the ``q`` rows they were sampled from;
 2. the target scores ``[last committed token, drafts...]`` in ONE forward (a ragged chunk: row ``r`` holds
    ``1 + L_r`` real tokens), giving ``p(. | X^i)`` for ``i = 0..L_r``;
-3. a verification rule (``chain`` or ``block``) decides ``tau`` from fresh coins and emits ``tau + 1`` tokens;
+3. a verification rule (``chain`` or ``block``; a multi-path rule such as ``gbv`` verifies a token tree of K
+   paths instead) decides ``tau`` from fresh coins and emits ``tau + 1`` tokens;
 4. both KV caches roll back to the accepted length; the extra token becomes the next round's slot 0.
 
 With history-dependent logit processors (repetition / frequency / presence penalties) every row is transformed
@@ -32,8 +33,8 @@ from ..sampling import SamplingParams, TokenCounts, logits_to_probs_rows
 from .. import kernels
 from . import coins
 from .coins import request_coins
-from ..verification import get_rule
-from .drafts import Draft, NoDraft, _pad
+from ..verification.rules import DEFAULT_RULE, get_rule, rule_names
+from .drafts import Draft, NoDraft, pad_token_lists
 from .models import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -122,9 +123,10 @@ class SpeculativeEngine:
         draft: a :class:`Draft` (``NoDraft`` gives target-only decoding).
         sampling: temperature / top-k / top-p, shared by target and draft.
         num_draft_tokens: ``L``, the most drafts verified per request per round (>= 0).
-        verify: ``chain``, ``block`` or ``gbv`` (greedy multi-path block verification over ``num_paths``
-            sampled paths; needs a draft that samples, i.e. a model draft).
-        num_paths: K, paths drafted per request for ``gbv`` (1 for the other rules).
+        verify: a rule of :data:`specadapt.verification.rules.RULES`: ``chain``, ``block`` or ``gbv`` (greedy
+            multi-path block verification over ``num_paths`` sampled paths; a multi-path rule needs a draft that
+            samples, i.e. a model draft).
+        num_paths: K, paths drafted per request for a multi-path rule (``gbv``; 1 for the other rules).
         adaptive: an :class:`~specadapt.engine.adaptive.AdaptiveVerification` to prune each round's drafts to
             a budget, or ``None``. With ``gbv`` every path of a request verifies the same prefix, its cap chosen
             from the committed context only (the q row of position 1, extrapolated with the estimator).
@@ -146,7 +148,8 @@ class SpeculativeEngine:
 
     Raises:
         ValueError: ``num_draft_tokens < 0``, an unknown verification rule or implementation, a ``speculation``
-            value outside auto / on / off or disagreeing with ``adaptive.speculation``.
+            value outside auto / on / off or disagreeing with ``adaptive.speculation``, ``adaptive`` with a rule it
+            does not apply to.
     """
 
     def __init__(
@@ -155,7 +158,7 @@ class SpeculativeEngine:
         draft: Draft,
         sampling: SamplingParams,
         num_draft_tokens: int,
-        verify: str = "chain",
+        verify: str = DEFAULT_RULE,
         seed: int = 0,
         verify_impl: str = "auto",
         num_paths: int = 1,
@@ -178,19 +181,22 @@ class SpeculativeEngine:
         self.sampling = sampling
         self.num_draft_tokens = num_draft_tokens
         self.verify_name = verify
-        if verify != "gbv":
-            get_rule(verify)  # validates the name
+        self.rule = get_rule(verify, "verify")  # the registry entry (verification/rules.py)
+        if not self.rule.multi_path:
             if num_paths != 1:
-                raise ValueError(f"num_paths > 1 needs verify='gbv', got verify={verify!r}")
+                multi = " or ".join(f"verify={name!r}" for name in rule_names(multi_path=True))
+                raise ValueError(f"num_paths > 1 needs {multi}, got verify={verify!r}")
         else:
             if num_paths < 1:
                 raise ValueError(f"num_paths must be >= 1, got {num_paths}")
             if num_draft_tokens < 1:
-                raise ValueError("verify='gbv' needs num_draft_tokens >= 1")
+                raise ValueError(f"verify={verify!r} needs num_draft_tokens >= 1")
             if not draft.supports_paths:
                 raise ValueError(
-                    f"verify='gbv' needs a draft that samples its paths (self:N or a model), not {draft.name!r}"
+                    f"verify={verify!r} needs a draft that samples its paths (self:N or a model), not {draft.name!r}"
                 )
+        if adaptive is not None and not self.rule.adaptive:
+            raise ValueError(f"adaptive: adaptive verification does not apply to verify={verify!r}")
         self.num_paths = num_paths
         self.adaptive = adaptive
         # early stop of drafting (exact: the same caps as drafting everything) for model drafts
@@ -368,7 +374,7 @@ class SpeculativeEngine:
         prefix = [[] for _ in range(old)] + [h[:-1] for h in histories]
         features = None
         if max(len(p) for p in prefix) > 0:
-            ids, counts = _pad(prefix)
+            ids, counts = pad_token_lists(prefix)
             out = self._kv.forward(ids, counts, logits_to_keep=1, return_outputs=True, **self._hidden_kwargs)
             if self.draft.needs_target_hidden:
                 features = self.draft.target_features(out.hidden_states)[old:]
@@ -450,7 +456,7 @@ class SpeculativeEngine:
         self.draft.row_sampling = (None if draft_default is None or isinstance(self._target_params, SamplingParams)
                                    else self._row_params(draft_default))
         plain = self._round_limit == 0 or (self._speculate is not None and not bool(self._speculate.any()))
-        if self.verify_name == "gbv" and not plain:
+        if self.rule.multi_path and not plain:
             accept_len, output_tokens, n_draft = self._gbv_round(kv, histories)
         else:
             accept_len, output_tokens, n_draft = self._single_path_round(kv, histories, remaining)
@@ -542,7 +548,7 @@ class SpeculativeEngine:
         target_probs = _real_row_probs(logits, n_draft + 1, self._target_params, history)
         uniforms, uniforms_final = self._coins(histories, width)
         out = kernels.verify(
-            "chain" if self.verify_name == "gbv" else self.verify_name,  # gbv: a round with speculation off
+            self.rule.plain_rule,  # a multi-path rule's round without a tree runs its single-path plain rule
             candidates,
             target_probs,
             proposal.probs,
@@ -561,8 +567,8 @@ class SpeculativeEngine:
         return accept_len, out.output_tokens, n_draft
 
     def _gbv_round(self, kv, histories: list[list[int]]):
-        """One GBV round: K sampled paths, merged into a token tree scored by ONE target forward with a tree
-        attention mask; GBV picks a path and block-verifies it; both caches keep only that path."""
+        """One round of a multi-path rule (GBV): K sampled paths, merged into a token tree scored by ONE target
+        forward with a tree attention mask; the rule picks a path and verifies it; both caches keep only that path."""
         K, L = self.num_paths, self.num_draft_tokens
         if self._round_limit is not None:  # an adaptive verification probe round
             L = min(L, self._round_limit)
@@ -594,10 +600,11 @@ class SpeculativeEngine:
         candidates = torch.cat([last[:, None, None].expand(batch, K, 1), tokens], dim=2)
         uniforms, uniforms_final = self._coins(histories, L)
         if caps is None:
-            out = kernels.gbv_verify(candidates, target_probs, q, uniforms, uniforms_final, impl=self.verify_impl)
+            out = kernels.verify_paths(self.verify_name, candidates, target_probs, q, uniforms, uniforms_final,
+                                       impl=self.verify_impl)
         else:
-            out = kernels.gbv_verify_capped(candidates, target_probs, q, uniforms, uniforms_final, caps,
-                                            impl=self.verify_impl)
+            out = kernels.verify_paths_capped(self.verify_name, candidates, target_probs, q, uniforms, uniforms_final,
+                                              caps, impl=self.verify_impl)
         accept_len = out.accept_len.to(torch.int64)
         n_draft = torch.full((batch,), L, dtype=torch.int64) if caps is None else caps.clamp(max=L)
         if plan is not None:

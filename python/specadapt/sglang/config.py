@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from ..verification.rules import DEFAULT_RULE, RULES
+
 __all__ = [
     "ENV_CONFIG",
     "PluginConfig",
@@ -29,14 +31,12 @@ __all__ = [
 ENV_CONFIG = "SPECADAPT_SGLANG_CONFIG"
 
 #: ``builtin`` leaves SGLang's own acceptance untouched; the others replace it with the specadapt kernels.
-VERIFY_CHOICES = ("builtin", "chain", "block", "gbv")
+VERIFY_CHOICES = ("builtin", *RULES)
 
 #: Algorithms whose sampler / acceptance the plugin knows how to replace, per rule.
-_RULE_ALGORITHMS = {
-    "chain": ("EAGLE", "EAGLE3", "STANDALONE", "DFLASH"),
-    "block": ("EAGLE", "EAGLE3", "STANDALONE", "DFLASH"),
-    "gbv": ("EAGLE", "EAGLE3", "STANDALONE"),
-}
+#: A multi-path rule needs K sampled paths (an EAGLE-family draft tree); a DFLASH block is one path.
+_RULE_ALGORITHMS = {name: ("EAGLE", "EAGLE3", "STANDALONE") + (() if rule.multi_path else ("DFLASH",))
+                    for name, rule in RULES.items()}
 #: Algorithms whose draft TTS can train: the plugin has differentiable forwards for SGLang's EAGLE-3 style Llama
 #: draft, dense Llama / Mistral / Qwen2 / Qwen3 STANDALONE drafts and the plain DFLASH draft
 #: (:mod:`specadapt.sglang.students`).
@@ -94,7 +94,7 @@ class PluginConfig:
         checks = [
             (self.verify in VERIFY_CHOICES, "--specadapt-verify", f"must be one of {VERIFY_CHOICES}, got {self.verify!r}"),
             (self.num_paths >= 1, "--specadapt-num-paths", f"must be >= 1, got {self.num_paths}"),
-            (self.verify == "gbv" or self.num_paths == 1, "--specadapt-num-paths",
+            (self.num_paths == 1 or getattr(RULES.get(self.verify), "multi_path", False), "--specadapt-num-paths",
              f"is the number of GBV paths; it needs --specadapt-verify gbv (got {self.verify!r} with {self.num_paths} paths)"),
             (self.av_refit_interval >= 1, "--av-refit-interval", f"must be >= 1, got {self.av_refit_interval}"),
             (self.av_damping >= 0, "--av-damping", f"must be >= 0, got {self.av_damping}"),
@@ -122,7 +122,7 @@ class PluginConfig:
     @property
     def rule(self) -> str:
         """The single-path rule used by the replaced sampler (``builtin`` + adaptive verification = chain)."""
-        return "chain" if self.verify == "builtin" else self.verify
+        return DEFAULT_RULE if self.verify == "builtin" else self.verify
 
     def tts_config(self):
         """The :class:`specadapt.tts.config.TTSConfig` of the ``tts_*`` settings.
@@ -222,7 +222,7 @@ def validate_for_server(config: PluginConfig, server_args: Any) -> None:
             if value is not None and float(value) != 1.0:
                 raise PluginConfigError(f"{flag} {value}: the specadapt rules are exact rejection rules and take no "
                                         "acceptance thresholds (leave it at 1.0)")
-    if config.verify == "gbv":
+    if getattr(RULES.get(config.verify), "multi_path", False):  # K sampled paths as SGLang's draft tree
         for field, flag, why in (
             ("enable_multi_layer_eagle", "--enable-multi-layer-eagle", "its draft worker has no K-path hooks"),
             ("speculative_adaptive", "--speculative-adaptive", "GBV's draft depth and q-row buffer are fixed"),
@@ -265,7 +265,7 @@ def validate_for_server(config: PluginConfig, server_args: Any) -> None:
         if not _field(server_args, "speculative_draft_model_path"):
             raise PluginConfigError("--tts needs a draft model: pass --speculative-draft-model-path")
     device = _field(server_args, "device")
-    if config.replaces_verification and config.rule != "chain" and device not in (None, "cuda"):
+    if config.replaces_verification and config.rule != DEFAULT_RULE and device not in (None, "cuda"):
         raise PluginConfigError(
             f"--specadapt-verify {config.verify} runs on sampled drafts, which SGLang produces on CUDA only "
             f"(--device {device} verifies greedily)"

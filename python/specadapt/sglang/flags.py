@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
+from ..verification.rules import RULES, join_names
 from .config import VERIFY_CHOICES, PluginConfig, PluginConfigError
 
 __all__ = ["FLAG_DESTS", "add_arguments", "config_from_namespace"]
@@ -53,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--specadapt-config", default=None, metavar="PATH",
                    help="JSON file of specadapt settings (field names as in the flags, with underscores)")
     g.add_argument("--specadapt-verify", choices=VERIFY_CHOICES, default=None,
-                   help=f"verification rule: builtin (SGLang's own), chain, block or gbv (specadapt kernels; "
+                   help=f"verification rule: builtin (SGLang's own), {join_names(RULES)} (specadapt kernels; "
                         f"default {_D.verify})")
     g.add_argument("--specadapt-num-paths", type=int, default=None, metavar="K",
                    help="K sampled draft paths per request for --specadapt-verify gbv (= --speculative-eagle-topk)")
@@ -101,8 +102,8 @@ def config_from_namespace(args: argparse.Namespace) -> PluginConfig:
         value = getattr(args, dest, None)
         if value is not None:
             values[name] = value
-    if values.get("verify") == "gbv" and "num_paths" not in values:
-        values["num_paths"] = 3
+    if values.get("verify") in RULES and "num_paths" not in values:
+        values["num_paths"] = RULES[values["verify"]].default_num_paths
     known = {f.name for f in fields(PluginConfig)}
     assert set(values) <= known, set(values) - known
     try:

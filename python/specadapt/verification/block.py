@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from .chain import _gather, _normalized_extra_laws, _pack
 from .common import (
     VerifyInputs,
     VerifyOutput,
     check_inputs,
     draft_token_ratio,
+    gather_tokens,
+    normalized_extra_laws,
+    pack_output,
     sample_from_unnormalized,
     single_path_inputs,
 )
@@ -56,8 +58,8 @@ def block_weights_and_thresholds(inputs: VerifyInputs) -> tuple[torch.Tensor, to
     thresholds = torch.zeros(batch, num_slots, dtype=torch.float64, device=device)
     if num_slots == 0:
         return weights, thresholds
-    p_tok = _gather(inputs.target_probs[:, :num_slots], inputs.drafts)
-    q_tok = _gather(inputs.draft_probs, inputs.drafts)
+    p_tok = gather_tokens(inputs.target_probs[:, :num_slots], inputs.drafts)
+    q_tok = gather_tokens(inputs.draft_probs, inputs.drafts)
     ratio = draft_token_ratio(p_tok, q_tok)
     n_live = inputs.num_draft_tokens
     for i in range(1, num_slots + 1):
@@ -126,7 +128,7 @@ def block_verify_checked(inputs: VerifyInputs) -> VerifyOutput:
     )
     residual, target_row = _block_residual_rows(inputs, weights, accept_len)
     extra = sample_from_unnormalized(residual, target_row, inputs.uniforms_final)
-    return _pack(inputs, accept_len, extra)
+    return pack_output(inputs, accept_len, extra)
 
 
 def block_round_law(
@@ -150,4 +152,4 @@ def block_round_law(
     for i in range(num_slots + 1):
         tail = torch.prod(1 - h[i + 1 :]) if i < num_slots else torch.tensor(1.0, dtype=torch.float64)
         tau_probs[i] = h[i] * tail
-    return tau_probs, _normalized_extra_laws(inputs, lambda inp, tau: _block_residual_rows(inp, weights, tau))
+    return tau_probs, normalized_extra_laws(inputs, lambda inp, tau: _block_residual_rows(inp, weights, tau))

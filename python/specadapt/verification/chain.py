@@ -19,15 +19,14 @@ from .common import (
     VerifyOutput,
     check_inputs,
     draft_token_ratio,
+    gather_tokens,
+    normalized_extra_laws,
+    pack_output,
     sample_from_unnormalized,
     single_path_inputs,
 )
 
 __all__ = ["chain_verify", "chain_round_law"]
-
-
-def _gather(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    return probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def chain_acceptance(inputs: VerifyInputs) -> torch.Tensor:
@@ -38,8 +37,8 @@ def chain_acceptance(inputs: VerifyInputs) -> torch.Tensor:
     num_slots = inputs.num_slots
     if num_slots == 0:
         return inputs.uniforms.new_zeros(inputs.batch_size, 0)
-    p_tok = _gather(inputs.target_probs[:, :num_slots], inputs.drafts)
-    q_tok = _gather(inputs.draft_probs, inputs.drafts)
+    p_tok = gather_tokens(inputs.target_probs[:, :num_slots], inputs.drafts)
+    q_tok = gather_tokens(inputs.draft_probs, inputs.drafts)
     ratio = draft_token_ratio(p_tok, q_tok)
     live = torch.arange(num_slots, device=ratio.device)[None, :] < inputs.num_draft_tokens[:, None]
     return torch.where(live, ratio.clamp(max=1.0), torch.zeros_like(ratio))
@@ -77,8 +76,8 @@ def chain_verify(
     batch, num_slots = inputs.batch_size, inputs.num_slots
     device = inputs.target_probs.device
     if num_slots > 0:
-        p_tok = _gather(inputs.target_probs[:, :num_slots], inputs.drafts)
-        q_tok = _gather(inputs.draft_probs, inputs.drafts)
+        p_tok = gather_tokens(inputs.target_probs[:, :num_slots], inputs.drafts)
+        q_tok = gather_tokens(inputs.draft_probs, inputs.drafts)
         live = torch.arange(num_slots, device=device)[None, :] < inputs.num_draft_tokens[:, None]
         accepted = (inputs.uniforms * q_tok < p_tok) & live
         accept_len = accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)
@@ -87,7 +86,7 @@ def chain_verify(
 
     residual, target_row = chain_residual_rows(inputs, accept_len)
     extra = sample_from_unnormalized(residual, target_row, inputs.uniforms_final)
-    return _pack(inputs, accept_len, extra)
+    return pack_output(inputs, accept_len, extra)
 
 
 def chain_residual_rows(inputs: VerifyInputs, accept_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,16 +104,6 @@ def chain_residual_rows(inputs: VerifyInputs, accept_len: torch.Tensor) -> tuple
     draft_row = inputs.draft_probs[rows, accept_len.clamp(max=inputs.num_slots - 1)]
     residual = torch.where(rejected[:, None], (target_row - draft_row).clamp_min(0.0), target_row)
     return residual, target_row
-
-
-def _pack(inputs: VerifyInputs, accept_len: torch.Tensor, extra: torch.Tensor) -> VerifyOutput:
-    batch, num_slots = inputs.batch_size, inputs.num_slots
-    device = accept_len.device
-    cols = torch.arange(num_slots + 1, device=device)[None, :]
-    padded = torch.cat([inputs.drafts, inputs.drafts.new_zeros(batch, 1)], dim=1)
-    out = torch.where(cols < accept_len[:, None], padded, torch.full_like(padded, -1))
-    out = torch.where(cols == accept_len[:, None], extra[:, None], out)
-    return VerifyOutput(accept_len=accept_len.to(torch.int32), output_tokens=out.to(torch.int32))
 
 
 def chain_round_law(
@@ -140,14 +129,5 @@ def chain_round_law(
         tau_probs[i] = reach * (1 - acc[i])
         reach = reach * acc[i]
     tau_probs[num_slots] = reach
-    return tau_probs, _normalized_extra_laws(inputs, chain_residual_rows)
+    return tau_probs, normalized_extra_laws(inputs, chain_residual_rows)
 
-
-def _normalized_extra_laws(inputs: VerifyInputs, residual_rows) -> torch.Tensor:
-    """``[L+1, V]``: for each tau, the normalised law the extra token is sampled from (zero mass -> p)."""
-    dists = []
-    for i in range(inputs.num_slots + 1):
-        residual, target_row = residual_rows(inputs, torch.tensor([i]))
-        res = residual[0] if residual[0].sum() > 0 else target_row[0]
-        dists.append(res / res.sum())
-    return torch.stack(dists)

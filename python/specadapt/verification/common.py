@@ -38,6 +38,9 @@ __all__ = [
     "single_path_inputs",
     "row_sum_tolerance",
     "check_row_sums",
+    "gather_tokens",
+    "pack_output",
+    "normalized_extra_laws",
 ]
 
 
@@ -302,3 +305,54 @@ def single_path_inputs(target_probs: torch.Tensor, draft_probs: torch.Tensor, dr
         uniforms_final=torch.zeros(1, dtype=torch.float64),
         num_draft_tokens=torch.tensor([num_slots]),
     )
+
+
+def gather_tokens(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``probs[..., i, tokens[..., i]]``: the probability of each drafted token under its own row.
+
+    Args:
+        probs: ``[B, L, V]`` float; tokens: ``[B, L]`` int64 ids in ``[0, V)``.
+
+    Returns:
+        ``[B, L]`` of ``probs``'s dtype.
+    """
+    return probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def pack_output(inputs: VerifyInputs, accept_len: torch.Tensor, extra: torch.Tensor) -> VerifyOutput:
+    """The single-path :class:`VerifyOutput` of a round: the ``tau`` accepted drafts, then the extra token.
+
+    Args:
+        inputs: the validated batch (its ``drafts [B, L] int64``).
+        accept_len: ``[B] int64`` tau per request.
+        extra: ``[B] int64`` the extra (correction or bonus) token per request.
+
+    Returns:
+        ``accept_len [B] int32`` and ``output_tokens [B, L+1] int32`` padded with -1 after slot tau.
+    """
+    batch, num_slots = inputs.batch_size, inputs.num_slots
+    device = accept_len.device
+    cols = torch.arange(num_slots + 1, device=device)[None, :]
+    padded = torch.cat([inputs.drafts, inputs.drafts.new_zeros(batch, 1)], dim=1)
+    out = torch.where(cols < accept_len[:, None], padded, torch.full_like(padded, -1))
+    out = torch.where(cols == accept_len[:, None], extra[:, None], out)
+    return VerifyOutput(accept_len=accept_len.to(torch.int32), output_tokens=out.to(torch.int32))
+
+
+def normalized_extra_laws(inputs: VerifyInputs, residual_rows) -> torch.Tensor:
+    """For each ``tau`` in ``0..L``, the normalised law the extra token is sampled from (zero mass -> ``p``).
+
+    Args:
+        inputs: a one-request batch (:func:`single_path_inputs`).
+        residual_rows: ``(inputs, accept_len [1] int64) -> (residual [1, V], target_row [1, V])`` float64, the
+            rule's unnormalised extra-token law and the target row it falls back to.
+
+    Returns:
+        ``[L+1, V] float64``, rows summing to 1.
+    """
+    dists = []
+    for i in range(inputs.num_slots + 1):
+        residual, target_row = residual_rows(inputs, torch.tensor([i]))
+        res = residual[0] if residual[0].sum() > 0 else target_row[0]
+        dists.append(res / res.sum())
+    return torch.stack(dists)
