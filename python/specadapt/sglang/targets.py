@@ -57,7 +57,7 @@ EAGLE_FAMILY = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
 def plan_targets(config: PluginConfig, algorithm: str) -> list[Target]:
     """``(target, hook type name, hook)`` for ``config`` on ``algorithm`` (no sglang import)."""
     algorithm = algorithm.upper()
-    targets = []
+    targets: list[Target] = []
     eagle = algorithm in EAGLE_FAMILY
     if config.replaces_verification and eagle:
         targets.append((CHAIN_SAMPLER, "REPLACE", chain_speculative_sampling))
