@@ -16,13 +16,13 @@ from torch import nn
 from specadapt.sglang.adaptive import SGLangAdaptiveVerification
 from specadapt.sglang.config import ENV_CONFIG, PluginConfig, PluginConfigError, config_from_env, validate_for_server
 from specadapt.sglang.flags import add_arguments, config_from_namespace
-from specadapt.sglang.install import (
-    PluginState, eagle_sample_around, forward_batch_generation_around, plan_targets, reset_state,
-)
-from specadapt.sglang import install as install_module
+from specadapt.sglang import state as plugin_state
+from specadapt.sglang.hooks import eagle_sample_around, forward_batch_generation_around
 from specadapt.sglang.students import Eagle3LlamaStudent, build_student
 from specadapt.sglang.tts import SGLangTTS
-from specadapt.sglang.verify import VerifyRuntime, chain_speculative_sampling, set_runtime, target_probs_for_requests
+from specadapt.sglang.state import PluginState, VerifyRuntime
+from specadapt.sglang.targets import plan_targets
+from specadapt.sglang.verify import chain_speculative_sampling, target_probs_for_requests
 from specadapt.verification import block_verify, chain_verify
 
 
@@ -136,7 +136,7 @@ def _sglang_chain_inputs(batch=4, num_drafts=3, vocab=7, seed=0, base=0):
 
 @pytest.mark.parametrize("rule, reference", [("chain", chain_verify), ("block", block_verify)])
 def test_replaced_sampler_matches_reference(rule, reference):
-    set_runtime(VerifyRuntime(rule=rule, impl="reference"))
+    plugin_state.install(PluginState(runtime=VerifyRuntime(rule=rule, impl="reference")))
     try:
         for seed in range(20):
             cand, ridx, coins, final, target, draft = _sglang_chain_inputs(seed=seed)
@@ -161,12 +161,12 @@ def test_replaced_sampler_matches_reference(rule, reference):
                 untouched = [int(predicts[int(ridx[b, j])]) for j in range(tau + 1, slots)]
                 assert untouched == [-7] * (slots - tau - 1)
     finally:
-        set_runtime(None)
+        plugin_state.reset()
 
 
 def test_sampler_respects_caps_and_rejects_missing_q():
     runtime = VerifyRuntime(rule="chain", impl="reference")
-    set_runtime(runtime)
+    plugin_state.install(PluginState(runtime=runtime))
     try:
         cand, ridx, coins, final, target, _ = _sglang_chain_inputs(vocab=5)
         batch, slots = cand.shape
@@ -186,7 +186,7 @@ def test_sampler_respects_caps_and_rejects_missing_q():
         with pytest.raises(ValueError, match="rejection sampling is off"):
             chain_speculative_sampling(**out, **args, draft_probs=torch.zeros_like(target))
     finally:
-        set_runtime(None)
+        plugin_state.reset()
 
 
 def test_target_probs_for_requests_per_request_settings():
@@ -328,7 +328,7 @@ def test_tts_hooks_snapshot_publish_in_place_on_stride():
     cfg = PluginConfig(tts=True, tts_stride=stride, tts_lr=1e-2, tts_rollback_margin=1.0)
     tts = SGLangTTS(student, cfg, asynchronous=False)
     state = PluginState(config=cfg, runtime=VerifyRuntime(), tts=tts, algorithm="EAGLE3")
-    install_module._STATE = state
+    plugin_state.install(state)
     trained = {n: p for n, p in draft.named_parameters() if "embed_tokens" not in n}
     ptrs = {n: p.data_ptr() for n, p in draft.named_parameters()}
     embed_before = draft.model.embed_tokens.weight.clone()
@@ -364,7 +364,7 @@ def test_tts_hooks_snapshot_publish_in_place_on_stride():
         assert torch.equal(draft.model.embed_tokens.weight, embed_before)  # shared with the target: frozen
         assert len(tts.history["r0"]) == min(2 * (len(history)), cfg.tts_context_window + 1)
     finally:
-        reset_state()
+        plugin_state.reset()
 
 
 def test_tts_history_inputs_line_up():
@@ -449,7 +449,7 @@ def test_tts_updates_lower_the_loss():
 
 
 def test_hooks_pass_through_without_state_and_for_idle():
-    reset_state()
+    plugin_state.reset()
     calls = []
     out = eagle_sample_around(lambda *a: calls.append(a) or "r", 1, SimpleNamespace(forward_mode=_Mode("decode")), 3)
     assert out == "r" and calls

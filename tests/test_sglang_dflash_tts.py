@@ -11,14 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from specadapt.sglang import install as install_module
+from specadapt.sglang import state as plugin_state
 from specadapt.sglang.config import PluginConfig
-from specadapt.sglang.install import (
-    PluginState, dflash_accept_around, dflash_append_around, forward_batch_generation_around, plan_targets,
-)
+from specadapt.sglang.hooks import dflash_accept_around, dflash_append_around, forward_batch_generation_around
+from specadapt.sglang.state import PluginState, VerifyRuntime
 from specadapt.sglang.students.dflash import DFlashStudent
+from specadapt.sglang.targets import plan_targets
 from specadapt.sglang.tts_dflash import SGLangDFlashTTS
-from specadapt.sglang.verify import VerifyRuntime
 from test_sglang_students import with_parameters
 
 HIDDEN, HEADS, KV, D, INTER, VOCAB, MASK = 16, 4, 2, 4, 24, 30, 3
@@ -126,7 +125,7 @@ def test_dflash_tts_through_the_hooks_distils_toward_the_target():
     _, target = _student(seed=7)  # the "target": another draft's block predictions
     cfg = PluginConfig(tts=True, tts_stride=1, tts_lr=1e-2, tts_rollback_margin=1.0)
     tts = SGLangDFlashTTS(student, cfg, MASK, asynchronous=False)
-    install_module._STATE = PluginState(config=cfg, runtime=VerifyRuntime(), tts=tts, algorithm="DFLASH")
+    plugin_state.install(PluginState(config=cfg, runtime=VerifyRuntime(), tts=tts, algorithm="DFLASH"))
     g = torch.Generator().manual_seed(1)
     context = torch.randn(2, 6, 2 * HIDDEN, generator=g)
     bonus = torch.tensor([4, 9])
@@ -170,7 +169,7 @@ def test_dflash_tts_through_the_hooks_distils_toward_the_target():
         assert getattr(draft.layers, "0").mlp.down_proj.weight.data_ptr() == ptr
         assert kl() < 0.5 * start, (kl(), start)
     finally:
-        install_module.reset_state()
+        plugin_state.reset()
 
 
 def test_dflash_targets():

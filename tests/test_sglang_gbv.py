@@ -12,9 +12,11 @@ from scipy import stats
 
 from types import SimpleNamespace
 
-from specadapt.sglang import gbv, hot_vocab
+from specadapt.sglang import draft_hooks, gbv, hot_vocab, layout
+from specadapt.sglang import state as plugin_state
 from specadapt.sglang.config import PluginConfig, PluginConfigError, validate_for_server
-from specadapt.sglang.install import plan_targets, pre_worker_targets
+from specadapt.sglang.state import PluginState
+from specadapt.sglang.targets import plan_targets, pre_worker_targets
 from specadapt.verification.gbv import gbv_verify
 
 
@@ -61,20 +63,20 @@ def test_branch_scores_are_positive_and_strictly_decreasing():
 
 def test_chain_nodes_reads_k_chains_and_rejects_other_trees():
     index, nxt, sib = _tree(2, 3, 4)
-    nodes = gbv.chain_nodes(nxt, sib, 3, 4)
+    nodes = layout.chain_nodes(nxt, sib, 3, 4)
     assert nodes.shape == (2, 3, 4)
     assert nodes[0, 1].tolist() == [2, 5, 8, 11]  # branch 1: depth d at 1 + (d-1)*3 + 1
     broken = nxt.clone()
     broken[:, 5] = -1  # branch 1 stops at depth 2
     with pytest.raises(ValueError, match="not K chains"):
-        gbv.chain_nodes(broken, sib, 3, 4)
+        layout.chain_nodes(broken, sib, 3, 4)
     with pytest.raises(ValueError, match="--speculative-num-draft-tokens 13"):
-        gbv.chain_nodes(nxt[:, :-1], sib[:, :-1], 3, 4)
+        layout.chain_nodes(nxt[:, :-1], sib[:, :-1], 3, 4)
 
 
 def test_sample_draft_proposal_around_samples_one_token_per_branch_and_keeps_q():
     drafting = gbv.GBVDrafting.allocate(num_paths=3, num_steps=4, vocab=7, max_requests=2, device="cpu")
-    gbv.set_drafting(drafting)
+    plugin_state.install(PluginState(drafting=drafting))
     calls = []
     try:
         g = torch.Generator().manual_seed(0)
@@ -82,7 +84,7 @@ def test_sample_draft_proposal_around_samples_one_token_per_branch_and_keeps_q()
         temps = torch.tensor([[0.7], [1.3]])
         seeds = torch.tensor([11, 12])
         positions = torch.arange(6)
-        probs0, topk_p, topk_index = gbv.sample_draft_proposal_around(
+        probs0, topk_p, topk_index = draft_hooks.sample_draft_proposal_around(
             _original(calls), logits, temps, torch.tensor([0, 5]), sampling_seed=seeds, positions=positions,
             draft_step=2)
         call = calls[-1]
@@ -96,13 +98,13 @@ def test_sample_draft_proposal_around_samples_one_token_per_branch_and_keeps_q()
         assert topk_p[:, 0].eq(1).all() and topk_p[:, 1:].eq(0).all()
         assert (topk_index == topk_index[:, :1]).all() and topk_index.shape == (6, 3)
         # the depth-1 call (draft_step 0) and calls without the GBV state go to SGLang unchanged
-        out = gbv.sample_draft_proposal_around(_original(calls), logits[:2], temps, None, draft_step=0)
+        out = draft_hooks.sample_draft_proposal_around(_original(calls), logits[:2], temps, None, draft_step=0)
         assert out[1].shape == (2, 1)
-        gbv.set_drafting(None)
-        out = gbv.sample_draft_proposal_around(_original(calls), logits, torch.ones(6, 1), None, draft_step=1)
+        plugin_state.current().drafting = None
+        out = draft_hooks.sample_draft_proposal_around(_original(calls), logits, torch.ones(6, 1), None, draft_step=1)
         assert out[1].shape == (6, 1)
     finally:
-        gbv.set_drafting(None)
+        plugin_state.reset()
 
 
 def test_q_buffer_overflow_for_large_eager_batches():
@@ -140,15 +142,15 @@ def _gbv_round(batch, k, depth, vocab, q_law, p_law, g, caps=None):
     """One verify round through the plugin's hooks: K chains sampled by first_draft_samples and
     sample_draft_proposal_around, verified by gbv_speculative_sampling. Returns SGLang's outputs and the chains."""
     drafting = gbv.GBVDrafting.allocate(k, depth, vocab, batch, "cpu")
-    gbv.set_drafting(drafting)
+    plugin_state.install(PluginState(drafting=drafting))
     try:
         none = torch.zeros(batch, 0, dtype=torch.int64)
         _, first = gbv.first_draft_samples(q_law(_with_root(none)), k, sampler=_sampler)  # [B, K]
         steps = [first.reshape(-1, 1)]  # rows b*K + j
         for step in range(1, depth):
             logits = q_law(_with_root(torch.cat(steps, dim=1))).log()
-            _, _, index = gbv.sample_draft_proposal_around(_original([]), logits, torch.ones(batch, 1),
-                                                           draft_step=step)
+            _, _, index = draft_hooks.sample_draft_proposal_around(_original([]), logits, torch.ones(batch, 1),
+                                                                   draft_step=step)
             steps.append(index[:, :1])
         chains = torch.cat(steps, dim=1).reshape(batch, k, depth)
         n = k * depth + 1
@@ -175,7 +177,7 @@ def _gbv_round(batch, k, depth, vocab, q_law, p_law, g, caps=None):
         return dict(predicts=predicts, accept_index=accept_index, accept_num=accept_num, out=rnd.out, chains=chains,
                     candidates=candidates, target=target, coins=coins, final=final, round=rnd)
     finally:
-        gbv.set_drafting(None)
+        plugin_state.reset()
 
 
 def _laws(vocab, hot=None):
@@ -304,44 +306,44 @@ def test_hot_vocabulary_rows_scatter_into_the_target_vocabulary():
 def test_sampler_and_extend_hooks_hand_sglang_target_vocabulary_q_rows():
     """A hot-vocabulary head: SGLang sees q over the target vocabulary, sampled ids stay draft ids (SGLang maps
     them), and GBV's depth-1 samples are drawn in draft ids from the same law."""
-    hot_vocab.set_hot_vocab(hot_vocab.HotVocab(torch.tensor([5, 1, 8, 2]), 10))
+    plugin_state.install(PluginState(hot_vocab=hot_vocab.HotVocab(torch.tensor([5, 1, 8, 2]), 10)))
     try:
         logits = torch.randn(3, 4)
-        probs, _, index = gbv.sample_draft_proposal_around(_original([]), logits, torch.ones(3, 1), draft_step=0)
+        probs, _, index = draft_hooks.sample_draft_proposal_around(_original([]), logits, torch.ones(3, 1),
+                                                                   draft_step=0)
         assert probs.shape == (3, 10) and (index < 4).all()
         assert torch.allclose(probs[:, [5, 1, 8, 2]], torch.softmax(logits, -1)) and probs[:, [0, 3, 4, 6, 7, 9]].eq(0).all()
         drafting = gbv.GBVDrafting.allocate(2, 3, 10, 3, "cpu")
         drafting.sampler = _sampler
-        gbv.set_drafting(drafting)
-        probs0, _, index = gbv.sample_draft_proposal_around(_original([]), torch.randn(6, 4), torch.ones(3, 1),
-                                                            draft_step=1)
+        plugin_state.current().drafting = drafting
+        probs0, _, index = draft_hooks.sample_draft_proposal_around(_original([]), torch.randn(6, 4),
+                                                                    torch.ones(3, 1), draft_step=1)
         assert probs0.shape == (3, 10) and drafting.rows_for(3)[0].shape == (6, 10) and (index < 4).all()
         q1 = torch.softmax(torch.randn(3, 4), -1)
         extend = SimpleNamespace(draft_probs=q1, topk_p=None, topk_index=None)
-        out = gbv.draft_extend_for_prefill_around(
+        out = draft_hooks.draft_extend_for_prefill_around(
             lambda worker, batch: extend, None,
             SimpleNamespace(sampling_info=SimpleNamespace(top_ks=None, sampling_seed=None), seq_lens=torch.ones(3)))
         assert out.draft_probs.shape == (3, 10) and torch.allclose(out.draft_probs[:, [5, 1, 8, 2]], q1)
         assert out.topk_index.shape == (3, 2) and (out.topk_index < 4).all() and out.topk_p.shape == (3, 2)
         # an all-greedy batch is verified as SGLang's greedy beam tree: the usual top-K start, real scores
         extend = SimpleNamespace(draft_probs=q1, topk_p=None, topk_index=None)
-        out = gbv.draft_extend_for_prefill_around(
+        out = draft_hooks.draft_extend_for_prefill_around(
             lambda worker, batch: extend, None,
             SimpleNamespace(sampling_info=SimpleNamespace(is_all_greedy=True), seq_lens=torch.ones(3)))
         top = q1.topk(2, dim=-1)
         assert torch.equal(out.topk_index, top.indices) and torch.allclose(out.topk_p, top.values)
     finally:
-        gbv.set_drafting(None)
-        hot_vocab.set_hot_vocab(None)
+        plugin_state.reset()
 
 
 def test_tts_learns_from_the_chosen_gbv_path():
     """GBV + TTS: the snapshot covers every tree node; the example the updater gets is the chosen path's tokens,
     teacher rows and q rows, and the committed history follows the accepted nodes."""
-    from specadapt.sglang.install import PluginState, eagle_sample_around
-    from specadapt.sglang import install as install_module
+    from specadapt.sglang.hooks import eagle_sample_around
+    from specadapt.sglang.state import VerifyRuntime
     from specadapt.sglang.tts import SGLangTTS
-    from specadapt.sglang.verify import VerifyRuntime, chain_speculative_sampling, set_runtime
+    from specadapt.sglang.verify import chain_speculative_sampling
     from test_sglang_students import _hf, _sglang_layout
     from specadapt.sglang.students import build_student
 
@@ -357,11 +359,9 @@ def test_tts_learns_from_the_chosen_gbv_path():
         drafting.record(step, torch.stack([q_law(_with_root(base["chains"][b // k, b % k, :step][None]))[0]
                                            for b in range(batch * k)]))
     runtime = VerifyRuntime(rule="gbv", impl="reference")
-    runtime.gbv = drafting
     state = PluginState(config=PluginConfig(verify="gbv", num_paths=k, tts=True), runtime=runtime, tts=tts,
-                        algorithm="EAGLE3")
-    install_module._STATE = state
-    set_runtime(runtime)
+                        algorithm="EAGLE3", drafting=drafting)
+    plugin_state.install(state)
     index, nxt, sib = _tree(batch, k, depth)
     logits = base["target"].clamp_min(1e-9).log()  # raw logits whose softmax is the target law
     draft_probs = torch.stack([q_law(_with_root(torch.zeros(batch, 0, dtype=torch.int64)))] +
@@ -394,7 +394,7 @@ def test_tts_learns_from_the_chosen_gbv_path():
             committed = [int(t) for _, t in tts.history[f"r{i}"]]
             assert committed == base["candidates"][i, path[: ex.accepted + 1]].tolist()
     finally:
-        install_module.reset_state()
+        plugin_state.reset()
 
 
 def test_greedy_rows_with_underflowed_q_verify_to_the_greedy_token():

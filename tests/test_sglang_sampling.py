@@ -12,11 +12,13 @@ from scipy import stats
 
 from specadapt import kernels
 from specadapt.sampling import apply_min_p
-from specadapt.sglang import install as install_module
+from specadapt.sglang import state as plugin_state
 from specadapt.sglang.config import PluginConfig
-from specadapt.sglang.install import PluginState, add_request_around, eagle_sample_around, plan_targets
-from specadapt.sglang.verify import (VerifyRuntime, chain_speculative_sampling, dflash_verify, request_verify_coins,
-                                     sampling_refusal, set_runtime, target_probs_for_requests)
+from specadapt.sglang.hooks import add_request_around, eagle_sample_around
+from specadapt.sglang.state import PluginState, VerifyRuntime
+from specadapt.sglang.targets import plan_targets
+from specadapt.sglang.verify import (chain_speculative_sampling, dflash_verify, request_verify_coins, sampling_refusal,
+                                     target_probs_for_requests)
 from test_sglang_adapter import _sglang_chain_inputs
 
 
@@ -39,7 +41,7 @@ def test_sampler_applies_each_requests_min_p(rule):
     """With the batch's min-p pending, the replaced sampler verifies against SGLang's rows after min-p: the same
     tokens as the reference rule on ``apply_min_p(target_probs)``; without it min-p would be dropped (differs)."""
     runtime = VerifyRuntime(rule=rule, impl="reference")
-    set_runtime(runtime)
+    plugin_state.install(PluginState(runtime=runtime))
     try:
         differs = 0
         for seed in range(30):
@@ -61,14 +63,14 @@ def test_sampler_applies_each_requests_min_p(rule):
                     ref.output_tokens[b, : tau + 1].tolist()
         assert differs > 0
     finally:
-        set_runtime(None)
+        plugin_state.reset()
 
 
 def test_first_token_follows_the_min_p_law():
     """Chi-square: the first token the replaced sampler emits (block rule, 20,000 rounds, fresh coins) follows the
     target row after min-p, not SGLang's row without it."""
     runtime = VerifyRuntime(rule="block", impl="auto")
-    set_runtime(runtime)
+    plugin_state.install(PluginState(runtime=runtime))
     try:
         g = torch.Generator().manual_seed(3)
         vocab, rounds = 6, 20000
@@ -90,14 +92,13 @@ def test_first_token_follows_the_min_p_law():
         _, pvalue = stats.chisquare(counts[keep].numpy(), (law[keep] * rounds).numpy())
         assert pvalue > 1e-4, pvalue
     finally:
-        set_runtime(None)
+        plugin_state.reset()
 
 
 def test_eagle_sample_hook_hands_the_batch_min_p_to_the_sampler():
     runtime = VerifyRuntime(rule="chain", impl="reference")
     state = PluginState(config=PluginConfig(verify="chain"), runtime=runtime, algorithm="EAGLE3")
-    install_module._STATE = state
-    set_runtime(runtime)
+    plugin_state.install(state)
     try:
         seen = []
         info = SimpleNamespace(need_min_p_sampling=True, min_ps=torch.tensor([0.1, 0.0]))
@@ -110,7 +111,7 @@ def test_eagle_sample_hook_hands_the_batch_min_p_to_the_sampler():
                             SimpleNamespace(draft_probs=None), batch, SimpleNamespace(hidden_states=None))
         assert seen[1] is None
     finally:
-        install_module.reset_state()
+        plugin_state.reset()
 
 
 def test_target_probs_for_requests_applies_min_p():
@@ -163,7 +164,7 @@ class _Req:
                                             (PluginConfig(adaptive_verification=True), True),
                                             (PluginConfig(tts=True), False)])
 def test_add_request_hook_refuses_unhonourable_requests(config, refused):
-    install_module._STATE = PluginState(config=config, runtime=VerifyRuntime(), algorithm="EAGLE3")
+    plugin_state.install(PluginState(config=config, runtime=VerifyRuntime(), algorithm="EAGLE3"))
     try:
         queued = []
         original = lambda scheduler, req, *a, **k: queued.append(req)  # noqa: E731
@@ -177,7 +178,7 @@ def test_add_request_hook_refuses_unhonourable_requests(config, refused):
         add_request_around(original, None, retracted, is_retracted=True)
         assert retracted.aborted is None
     finally:
-        install_module.reset_state()
+        plugin_state.reset()
 
 
 def test_plan_targets_install_the_request_check_and_min_p_hook():

@@ -15,11 +15,11 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from specadapt.sglang.config import PluginConfig, PluginConfigError, validate_for_server
-from specadapt.sglang.install import PluginState, eagle_sample_around, forward_batch_generation_around, reset_state
-from specadapt.sglang import install as install_module
+from specadapt.sglang import state as plugin_state
+from specadapt.sglang.hooks import eagle_sample_around, forward_batch_generation_around
+from specadapt.sglang.state import PluginState, VerifyRuntime
 from specadapt.sglang.students import DenseLMStudent, Eagle3LlamaStudent, build_student
 from specadapt.sglang.tts import SGLangTTS
-from specadapt.sglang.verify import VerifyRuntime
 from test_sglang_adapter import distil_rounds
 
 _SMALL = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -216,7 +216,7 @@ def test_standalone_tts_rounds_publish_in_place_without_target_features(params):
     cfg = PluginConfig(tts=True, tts_stride=stride, tts_lr=1e-2, tts_rollback_margin=1.0, tts_params=params,
                        tts_lora_rank=4)
     tts = SGLangTTS(student, cfg, asynchronous=False)
-    install_module._STATE = PluginState(config=cfg, runtime=VerifyRuntime(), tts=tts, algorithm="STANDALONE")
+    plugin_state.install(PluginState(config=cfg, runtime=VerifyRuntime(), tts=tts, algorithm="STANDALONE"))
     layer_w = _layer(draft, 1).mlp.down_proj.weight
     embed_before = draft.model.embed_tokens.weight.clone()
     ptr = layer_w.data_ptr()
@@ -243,7 +243,7 @@ def test_standalone_tts_rounds_publish_in_place_without_target_features(params):
         assert any(changes) and not all(changes)  # weights move only at publishes
         assert torch.equal(draft.model.embed_tokens.weight, embed_before)
     finally:
-        reset_state()
+        plugin_state.reset()
 
 
 @pytest.mark.parametrize("params", ["full", "lora"])

@@ -29,7 +29,7 @@ def install(algorithm, verify, adaptive):
     from sglang.srt.plugins import load_plugins
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from specadapt.sglang import verify as sa_verify
+    from specadapt.sglang import state as plugin_state
     from specadapt.sglang.config import PluginConfig
     from specadapt.sglang.install import install_worker_hooks
 
@@ -47,14 +47,14 @@ def install(algorithm, verify, adaptive):
 
         cand, ridx, coins, final, target, draft = _sglang_chain_inputs(seed=0, vocab=7)
         batch, slots = cand.shape
-        before = sa_verify.get_runtime().calls
+        before = plugin_state.require().runtime.calls
         fn(predicts=torch.zeros(batch * slots, dtype=torch.int32),
            accept_index=torch.full((batch, slots), -1, dtype=torch.int32),
            accept_token_num=torch.zeros(batch, dtype=torch.int32), candidates=cand, retrive_index=ridx,
            retrive_next_token=None, retrive_next_sibling=None, uniform_samples=coins,
            uniform_samples_for_final_sampling=final, target_probs=target, draft_probs=draft,
            threshold_single=1.0, threshold_acc=1.0, deterministic=True)
-        return sa_verify.get_runtime().calls == before + 1
+        return plugin_state.require().runtime.calls == before + 1
 
     replaced = algorithm != "DFLASH"
     return {
@@ -72,8 +72,7 @@ def install_gbv():
     import sglang.srt.speculative.eagle_utils as eu
     import sglang.srt.speculative.eagle_worker_v2 as ew
 
-    from specadapt.sglang import gbv
-    from specadapt.sglang import verify as sa_verify
+    from specadapt.sglang import state as plugin_state
     from specadapt.sglang.config import PluginConfig
     from specadapt.sglang.install import install_pre_worker_hooks, install_worker_hooks
 
@@ -85,12 +84,12 @@ def install_gbv():
     runner = SimpleNamespace(model_config=SimpleNamespace(vocab_size=17))
     worker = SimpleNamespace(draft_worker=SimpleNamespace(draft_runner=runner), device="cpu")
     install_worker_hooks(SimpleNamespace(server_args=server_args, draft_worker=worker), config)
-    drafting = gbv.get_drafting()
+    drafting = plugin_state.require().drafting
     return {
         "patched": sorted(HookRegistry._patched),
         "sampler_rebound_in_worker": getattr(ew.sample_draft_proposal, "__wrapped__", None) is not None,
         "chain_sampler_rebound": getattr(eu.chain_speculative_sampling_triton, "__wrapped__", None) is not None,
-        "runtime_rule": sa_verify.get_runtime().rule,
+        "runtime_rule": plugin_state.require().runtime.rule,
         "q_rows_shape": list(drafting.q_rows.shape),
     }
 
@@ -101,7 +100,9 @@ def triton_compare(num_seeds):
     from sglang.kernels.ops.speculative.reject_sampling import chain_speculative_sampling_triton as sglang_kernel
     from test_sglang_adapter import _sglang_chain_inputs
 
-    from specadapt.sglang.verify import VerifyRuntime, chain_speculative_sampling, set_runtime
+    from specadapt.sglang import state as plugin_state
+    from specadapt.sglang.state import PluginState, VerifyRuntime
+    from specadapt.sglang.verify import chain_speculative_sampling
 
     result = {}
     for rule in ("chain", "block"):
@@ -111,7 +112,7 @@ def triton_compare(num_seeds):
             batch, slots = cand.shape
             outs = []
             for fn in (sglang_kernel, chain_speculative_sampling):
-                set_runtime(VerifyRuntime(rule=rule, impl="auto"))
+                plugin_state.install(PluginState(runtime=VerifyRuntime(rule=rule, impl="auto")))
                 predicts = torch.full((batch * slots,), -1, dtype=torch.int32)
                 accept_index = torch.full((batch, slots), -1, dtype=torch.int32)
                 accept_num = torch.zeros(batch, dtype=torch.int32)
@@ -153,7 +154,9 @@ def seeded_verify(num_seeds):
 
     murmur_hash.murmur_hash32 = interpreted_hash  # _seeded_verify_coins imports it at call time
 
-    from specadapt.sglang.verify import VerifyRuntime, chain_speculative_sampling, set_runtime
+    from specadapt.sglang import state as plugin_state
+    from specadapt.sglang.state import PluginState, VerifyRuntime
+    from specadapt.sglang.verify import chain_speculative_sampling
 
     def run(cand, target, draft, seeds, seq_lens, rows):
         rows = torch.tensor(rows)
@@ -173,7 +176,7 @@ def seeded_verify(num_seeds):
 
     result = {}
     for rule in ("chain", "block"):
-        set_runtime(VerifyRuntime(rule=rule, impl="auto"))
+        plugin_state.install(PluginState(runtime=VerifyRuntime(rule=rule, impl="auto")))
         same = total = changed = 0
         for seed in range(int(num_seeds)):
             cand, _, _, _, target, draft = _sglang_chain_inputs(seed=seed, vocab=7)
@@ -188,7 +191,7 @@ def seeded_verify(num_seeds):
             other = run(cand, target, draft, seeds + 1, seq_lens, [0, 1, 2, 3])
             changed += int(other != full)
         result[rule] = [same, total, changed]
-    set_runtime(None)
+    plugin_state.reset()
     return result
 
 
@@ -337,17 +340,18 @@ def gbv_draft(num_paths, num_steps, hot="0"):
     import sglang.srt.speculative.eagle_utils as eu
     import sglang.srt.speculative.eagle_worker_v2 as ew
 
-    from specadapt.sglang import gbv, hot_vocab
-    from specadapt.sglang.install import DRAFT_SAMPLER
+    from specadapt.sglang import draft_hooks, gbv, hot_vocab, layout
+    from specadapt.sglang import state as plugin_state
+    from specadapt.sglang.state import PluginState
+    from specadapt.sglang.targets import DRAFT_SAMPLER
 
     k, depth, batch, vocab, hidden = int(num_paths), int(num_steps), 3, 11, 8
     hot_ids = torch.tensor([9, 2, 4, 0, 7, 5]) if hot == "1" else None
-    if hot_ids is not None:
-        hot_vocab.set_hot_vocab(hot_vocab.HotVocab(hot_ids, vocab))
-    HookRegistry.register(DRAFT_SAMPLER, gbv.sample_draft_proposal_around, HookType.AROUND)
+    HookRegistry.register(DRAFT_SAMPLER, draft_hooks.sample_draft_proposal_around, HookType.AROUND)
     HookRegistry.apply_hooks()
     drafting = gbv.GBVDrafting.allocate(k, depth, vocab, batch, "cpu")
-    gbv.set_drafting(drafting)
+    plugin_state.install(PluginState(drafting=drafting,
+                                     hot_vocab=None if hot_ids is None else hot_vocab.HotVocab(hot_ids, vocab)))
     g = torch.Generator().manual_seed(0)
     width = vocab if hot_ids is None else hot_ids.numel()
     table = torch.randn(vocab, width, generator=g) * 2  # the stand-in draft: logits = table[input token]
@@ -369,8 +373,8 @@ def gbv_draft(num_paths, num_steps, hot="0"):
                              draft_attn_backend=SimpleNamespace(attn_backends=[None] * depth),
                              _topk1_parents_prealloc=torch.zeros(0))
     ew.get_spec = lambda: SimpleNamespace(speculative_use_rejection_sampling=True)  # what the server resolves
-    q1 = hot_vocab.to_target(torch.softmax(torch.randn(batch, width, generator=g), -1))  # the extend's output
-    topk_p, topk_index = gbv.first_draft_samples(hot_vocab.to_draft(q1), k)  # draft ids
+    q1 = draft_hooks.to_target(torch.softmax(torch.randn(batch, width, generator=g), -1))  # the extend's output
+    topk_p, topk_index = gbv.first_draft_samples(draft_hooks.to_draft(q1), k)  # draft ids
     forward_batch = SimpleNamespace(
         forward_mode=SimpleNamespace(is_idle=lambda: False),
         spec_info=SimpleNamespace(topk_p=topk_p, topk_index=topk_index, hidden_states=torch.zeros(batch, hidden),
@@ -386,13 +390,13 @@ def gbv_draft(num_paths, num_steps, hot="0"):
         bonus, parent_list, top_scores_index, draft_tokens, torch.tensor([5, 7, 9]), 21, k, depth, k * depth + 1)
     n = k * depth + 1
     candidates = candidates.reshape(batch, n)
-    nodes = gbv.chain_nodes(nxt, sib, k, depth)
+    nodes = layout.chain_nodes(nxt, sib, k, depth)
     chains = candidates.gather(1, nodes.reshape(batch, -1)).reshape(batch, k, depth)
     # each path starts with its own depth-1 sample and each deeper q row is the draft's law after that path's
     # previous token (the stand-in draft reads only the input token)
     first_ok = bool(torch.equal(chains[:, :, 0], topk_index if hot_ids is None else hot_ids[topk_index]))
     rows = drafting.rows_for(batch).reshape(depth - 1, batch, k, vocab)
-    law = lambda token: hot_vocab.to_target(torch.softmax(table[token] / temperature, -1))  # noqa: E731
+    law = lambda token: draft_hooks.to_target(torch.softmax(table[token] / temperature, -1))  # noqa: E731
     q_ok = all(
         torch.allclose(rows[d - 2, b, int(nodes[b, j, 0]) - 1], law(chains[b, j, d - 2]))
         for b in range(batch) for j in range(k) for d in range(2, depth + 1))
@@ -426,7 +430,9 @@ def gbv_worker_init():
     from sglang.srt.runtime_context import get_spec, publish
     from sglang.srt.server_args import prepare_server_args
 
-    from specadapt.sglang import gbv
+    from specadapt.sglang import draft_hooks
+    from specadapt.sglang import state as plugin_state
+    from specadapt.sglang.state import PluginState
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
@@ -443,7 +449,7 @@ def gbv_worker_init():
         seen["inside"] = get_spec().speculative_use_rejection_sampling
         seen["topk"] = get_spec().speculative_eagle_topk
 
-    gbv.draft_worker_init_around(constructor, object())
+    draft_hooks.draft_worker_init_around(constructor, object())
 
     def alloc_memory_pool(worker):  # stands for EagleDraftWorker.alloc_memory_pool: init_lm_head, vocab check
         worker.hot_token_id = torch.tensor([3, 1, 4])
@@ -451,15 +457,14 @@ def gbv_worker_init():
 
     import torch
 
-    from specadapt.sglang import hot_vocab
-
     worker = SimpleNamespace(target_worker=SimpleNamespace(model_config=SimpleNamespace(vocab_size=256)),
                              draft_runner=SimpleNamespace(model_config=SimpleNamespace(vocab_size=256)))
-    hot_vocab.alloc_memory_pool_around(alloc_memory_pool, worker)
-    hot = hot_vocab.get_hot_vocab()
+    plugin_state.install(PluginState())  # the scheduler-side installation precedes the pool's allocation
+    draft_hooks.alloc_memory_pool_around(alloc_memory_pool, worker)
+    hot = plugin_state.require().hot_vocab
     worker.draft_runner.model_config.vocab_size = 300  # a draft config whose vocabulary differs from the target's
     try:
-        hot_vocab.alloc_memory_pool_around(alloc_memory_pool, worker)
+        draft_hooks.alloc_memory_pool_around(alloc_memory_pool, worker)
         seen["width_mismatch"] = "accepted"
     except RuntimeError as exc:
         seen["width_mismatch"] = "refused" if "differs from the target" in str(exc) else str(exc)
@@ -517,10 +522,10 @@ def tp_rank(rank, port):
     from sglang.srt.models.qwen2 import Qwen2ForCausalLM as SgQwen2
     from sglang.srt.models.qwen3 import Qwen3ForCausalLM as SgQwen3
 
-    from specadapt.sglang.install import _tensor_parallel
+    from specadapt.sglang.probes import tensor_parallel
     from specadapt.sglang.students import build_student
 
-    tp = _tensor_parallel()
+    tp = tensor_parallel()
     small = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                  max_position_embeddings=128, tie_word_embeddings=False)
     out = {"tp_rank": tp.rank, "tp_size": tp.size}

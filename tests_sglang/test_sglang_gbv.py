@@ -43,15 +43,15 @@ def test_the_scheduler_reads_the_resolved_depth(plugins_loaded, tiny_models):
     declarations (no --speculative-num-steps given: the plugin's default depth)."""
     from sglang.srt.server_args import prepare_server_args
 
-    from specadapt.sglang.install import _resolved
+    from specadapt.sglang.probes import resolved
     from specadapt.sglang.plugin import DEFAULT_CHAIN_STEPS
 
     sa = prepare_server_args(_args(tiny_models, "--specadapt-verify", "gbv", "--specadapt-num-paths", "2"))
     sa.resolve_once()
     assert sa.speculative_num_steps is None  # the raw field stays unset
-    assert _resolved(sa, "speculative_num_steps") == DEFAULT_CHAIN_STEPS
-    assert _resolved(sa, "speculative_eagle_topk") == 2
-    assert _resolved(sa, "speculative_num_draft_tokens") == 2 * DEFAULT_CHAIN_STEPS + 1
+    assert resolved(sa, "speculative_num_steps") == DEFAULT_CHAIN_STEPS
+    assert resolved(sa, "speculative_eagle_topk") == 2
+    assert resolved(sa, "speculative_num_draft_tokens") == 2 * DEFAULT_CHAIN_STEPS + 1
 
 
 def test_worker_hooks_hide_rejection_sampling_only_inside(tiny_models):

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from specadapt.sglang.config import ENV_CONFIG, PluginConfigError
-from specadapt.sglang.install import HOOK_TARGETS
 from specadapt.sglang.plugin import LIGHT_TARGETS, SERVER_ARGS_ATTR
+from specadapt.sglang.targets import HOOK_TARGETS
 
 PROBES = Path(__file__).resolve().parent / "_probes.py"
 
@@ -213,9 +213,11 @@ def test_seeded_requests_verify_the_same_alone_and_in_any_batch():
 def test_dflash_seeded_acceptance_alone_and_in_a_batch():
     """The DFLASH hook with SGLang's per-request seeds (real ``_commit_accept``): a request's accepted drafts,
     bonus and committed tokens are the same alone and in batches of other compositions."""
-    from specadapt.sglang.verify import VerifyRuntime, dflash_accept_block, set_runtime
+    from specadapt.sglang import state as plugin_state
+    from specadapt.sglang.state import PluginState, VerifyRuntime
+    from specadapt.sglang.verify import dflash_accept_block
 
-    set_runtime(VerifyRuntime(rule="block", impl="reference", seed=2))
+    plugin_state.install(PluginState(runtime=VerifyRuntime(rule="block", impl="reference", seed=2)))
     worker = SimpleNamespace(_selector_sample=None, _tp_sync=None)
     try:
         candidates, logits, info = _dflash_inputs(seed=3)
@@ -238,7 +240,7 @@ def test_dflash_seeded_acceptance_alone_and_in_a_batch():
         for rows in ([4], [3, 1], [2, 0, 4, 1, 3]):
             assert run(rows) == [full[r] for r in rows]
     finally:
-        set_runtime(None)
+        plugin_state.reset()
 
 
 def test_requests_with_unhonourable_options_are_refused_with_sglangs_abort():
@@ -248,12 +250,12 @@ def test_requests_with_unhonourable_options_are_refused_with_sglangs_abort():
     from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    from specadapt.sglang import install as install_module
+    from specadapt.sglang import state as plugin_state
     from specadapt.sglang.config import PluginConfig
-    from specadapt.sglang.install import PluginState, add_request_around
-    from specadapt.sglang.verify import VerifyRuntime
+    from specadapt.sglang.hooks import add_request_around
+    from specadapt.sglang.state import PluginState, VerifyRuntime
 
-    install_module._STATE = PluginState(config=PluginConfig(verify="block"), runtime=VerifyRuntime(), algorithm="EAGLE3")
+    plugin_state.install(PluginState(config=PluginConfig(verify="block"), runtime=VerifyRuntime(), algorithm="EAGLE3"))
     queued = []
     try:
         def req(custom=None, **params):
@@ -276,7 +278,7 @@ def test_requests_with_unhonourable_options_are_refused_with_sglangs_abort():
                 assert r.to_finish.to_json()["status_code"] == 400
         assert len(queued) == len(cases)
     finally:
-        install_module.reset_state()
+        plugin_state.reset()
 
 
 def _dflash_inputs(batch=5, block=4, vocab=9, seed=0):
@@ -289,13 +291,13 @@ def _dflash_inputs(batch=5, block=4, vocab=9, seed=0):
 
 
 def test_dflash_accept_matches_reference_with_sglang_commit():
-    from specadapt.sglang.verify import (
-        VerifyRuntime, dflash_accept_block, set_runtime, target_probs_for_requests,
-    )
+    from specadapt.sglang import state as plugin_state
+    from specadapt.sglang.state import PluginState, VerifyRuntime
+    from specadapt.sglang.verify import dflash_accept_block, target_probs_for_requests
     from specadapt.verification import block_verify
 
     runtime = VerifyRuntime(rule="block", impl="reference", seed=5)
-    set_runtime(runtime)
+    plugin_state.install(PluginState(runtime=runtime))
     worker = SimpleNamespace(_selector_sample=None, _tp_sync=None)
     try:
         for seed in range(10):
@@ -318,13 +320,15 @@ def test_dflash_accept_matches_reference_with_sglang_commit():
                 assert int(bonus[b]) == int(ref.output_tokens[b, tau])
             assert new_seq_lens is None
     finally:
-        set_runtime(None)
+        plugin_state.reset()
 
 
 def test_dflash_greedy_batches_go_to_sglang():
-    from specadapt.sglang.verify import VerifyRuntime, dflash_accept_block, set_runtime
+    from specadapt.sglang import state as plugin_state
+    from specadapt.sglang.state import PluginState, VerifyRuntime
+    from specadapt.sglang.verify import dflash_accept_block
 
-    set_runtime(VerifyRuntime(rule="block"))
+    plugin_state.install(PluginState(runtime=VerifyRuntime(rule="block")))
     try:
         candidates, logits, sampling_info = _dflash_inputs()
         sampling_info.is_all_greedy = True
@@ -334,4 +338,4 @@ def test_dflash_greedy_batches_go_to_sglang():
                                   draft_input=None, prefix_lens=None, bs=5, target_predict=None)
         assert out == "sglang" and len(calls) == 1
     finally:
-        set_runtime(None)
+        plugin_state.reset()

@@ -9,33 +9,35 @@ The plugin gets them out of SGLang's own tree machinery, unchanged, by choosing 
   independent samples from ``q_1`` (with replacement; a greedy request gets its top-K tokens) and its
   ``topk_p`` by the fixed, strictly decreasing branch scores ``s_0 > ... > s_{K-1} > 0``.
 * **Depths 2..L.** Inside ``draft_forward`` (captured in SGLang's draft CUDA graph) each of the ``B*K`` rows
-  of step ``i`` is one branch; :func:`sample_draft_proposal_around` draws one token per row from that row's
-  ``q`` (SGLang's own sampler, per-branch seeds), copies ``q`` into a static buffer allocated before capture
-  (``q_rows[i] [B*K, V]``) and returns ``topk_p`` one-hot on the sample. ``select_top_k_tokens`` then scores
+  of step ``i`` is one branch; :func:`~specadapt.sglang.draft_hooks.sample_draft_proposal_around` draws one
+  token per row from that row's ``q`` (SGLang's own sampler, per-branch seeds), copies ``q`` into a static buffer
+  allocated before capture (``q_rows[i] [B*K, V]``) and returns ``topk_p`` one-hot on the sample. ``select_top_k_tokens`` then scores
   the K*K candidates ``s_j * onehot``: exactly the K branch continuations are non-zero, in branch order, so
   step ``i+1`` row ``j`` is again branch ``j`` (and SGLang's per-branch draft KV slots hold each chain's own
   history). ``organize_draft_results`` with ``--speculative-num-draft-tokens = K*L + 1`` keeps exactly the
   K*L non-zero nodes: the tree is K chains of depth L.
 * **Verify.** The replaced chain sampler (:func:`specadapt.sglang.verify.chain_speculative_sampling`) sees the
-  tree; :func:`gbv_speculative_sampling` reads the chains off ``retrive_next_token`` / ``retrive_next_sibling``,
-  gathers each path's target rows, tokens and q rows (depth 1 from ``draft_probs[:, 0]``, deeper from the
-  buffer), runs :func:`specadapt.kernels.gbv_verify` and writes the chosen path's accepted nodes into SGLang's
-  ``accept_index`` / ``predicts`` (SGLang then compacts the accepted path, as for any top-k tree).
+  tree; :func:`gbv_speculative_sampling` reads the chains off ``retrive_next_token`` / ``retrive_next_sibling``
+  (:func:`~specadapt.sglang.layout.chain_nodes`), gathers each path's target rows, tokens and q rows (depth 1
+  from ``draft_probs[:, 0]``, deeper from the buffer), runs :func:`specadapt.kernels.gbv_verify` and writes the
+  chosen path's accepted nodes into SGLang's ``accept_index`` / ``predicts`` (SGLang then compacts the accepted path, as for any top-k tree).
 
-Greedy batches keep SGLang's top-k tree and greedy verification (the draft graph's greedy variant). The draft
-sampler and extend hooks also scatter a hot-vocabulary EAGLE-3 head's q rows into the target vocabulary
-(:mod:`.hot_vocab`), for every rule. Nothing here imports sglang at module import.
+Greedy batches keep SGLang's top-k tree and greedy verification (the draft graph's greedy variant). This module
+holds the drafting state and the algorithms; the hooks that feed SGLang's draft are in :mod:`.draft_hooks`.
+Nothing here imports sglang at module import.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from .. import kernels
-from . import hot_vocab
+from ..verification.gbv import GBVOutput
+from .layout import assert_all, chain_nodes, scatter_sglang_outputs
 
 logger = logging.getLogger("specadapt.sglang")
 
@@ -43,15 +45,9 @@ __all__ = [
     "GBVDrafting",
     "GBVRound",
     "branch_scores",
-    "chain_nodes",
-    "draft_extend_for_decode_around",
-    "draft_extend_for_prefill_around",
-    "draft_worker_init_around",
+    "branch_seeds",
     "first_draft_samples",
     "gbv_speculative_sampling",
-    "get_drafting",
-    "sample_draft_proposal_around",
-    "set_drafting",
 ]
 
 #: Offset between the per-branch seeds of a seeded request (odd, so distinct for every branch index).
@@ -65,7 +61,9 @@ def branch_scores(num_paths: int, batch: int, device=None) -> torch.Tensor:
     return scores[None, :].expand(batch, num_paths).contiguous()
 
 
-def _branch_seeds(sampling_seed: torch.Tensor | None, num_paths: int) -> torch.Tensor | None:
+def branch_seeds(sampling_seed: torch.Tensor | None, num_paths: int) -> torch.Tensor | None:
+    """``[B*K] int64`` seeds of the K branches of each request (``None`` without per-request seeds): distinct
+    for every branch of a request, row ``b*K + k`` for branch ``k`` of request ``b``."""
     if sampling_seed is None:
         return None
     seeds = sampling_seed.reshape(-1).to(torch.int64).repeat_interleave(num_paths)
@@ -73,7 +71,11 @@ def _branch_seeds(sampling_seed: torch.Tensor | None, num_paths: int) -> torch.T
     return seeds + offsets * _BRANCH_SEED_STRIDE
 
 
-def _fast_sample():
+#: ``fast_sample``'s contract: ``(probs [N, V], num_samples, *, sampling_seed, positions) -> (p, index [N, 1])``.
+Sampler = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def _fast_sample() -> Sampler:
     from sglang.srt.speculative.spec_utils import fast_sample
 
     return fast_sample
@@ -95,7 +97,7 @@ class GBVDrafting:
     num_steps: int
     q_rows: torch.Tensor | None = None
     overflow: torch.Tensor | None = None
-    sampler: object = None
+    sampler: Sampler | None = None
 
     @classmethod
     def allocate(cls, num_paths: int, num_steps: int, vocab: int, max_requests: int, device) -> "GBVDrafting":
@@ -135,23 +137,9 @@ class GBVDrafting:
         return self.overflow[:, :rows]
 
 
-_DRAFTING: GBVDrafting | None = None
-
-
-def set_drafting(drafting: GBVDrafting | None) -> None:
-    """Install (or clear) this process's :class:`GBVDrafting`."""
-    global _DRAFTING
-    _DRAFTING = drafting
-
-
-def get_drafting() -> GBVDrafting | None:
-    """This process's :class:`GBVDrafting` (``None`` without ``--specadapt-verify gbv``)."""
-    return _DRAFTING
-
-
 def first_draft_samples(probs: torch.Tensor, num_paths: int, top_ks: torch.Tensor | None = None,
                         sampling_seed: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-                        sampler=None):
+                        sampler: Sampler | None = None):
     """The K depth-1 drafts of each request: independent samples from its ``q_1`` row.
 
     Args:
@@ -173,7 +161,7 @@ def first_draft_samples(probs: torch.Tensor, num_paths: int, top_ks: torch.Tenso
     else:
         sampler = sampler or _fast_sample()
         rows = probs.repeat_interleave(num_paths, dim=0)
-        seeds = _branch_seeds(sampling_seed, num_paths)
+        seeds = branch_seeds(sampling_seed, num_paths)
         pos = None if positions is None else positions.reshape(-1).repeat_interleave(num_paths)
         _, index = sampler(rows, 1, sampling_seed=seeds, positions=pos)
     index = index.reshape(batch, num_paths).to(torch.int64)
@@ -183,134 +171,14 @@ def first_draft_samples(probs: torch.Tensor, num_paths: int, top_ks: torch.Tenso
     return branch_scores(num_paths, batch, probs.device), index
 
 
-# ---- hooks (installed by specadapt.sglang.install for --specadapt-verify gbv) -------------------------------
-def draft_worker_init_around(original, worker, *args, **kwargs):
-    """AROUND ``EagleDraftWorker.__init__``: SGLang asserts a top-k of 1 under rejection sampling there (its
-    chain kernel's need); GBV drafts K sampled chains, so the flag is hidden for the constructor only."""
-    from sglang.srt.runtime_context import get_spec
-
-    with get_spec().override(speculative_use_rejection_sampling=False):
-        return original(worker, *args, **kwargs)
-
-
-def _finish_first(draft_input, sampling_info, positions) -> None:
-    """Depth-1 proposal of the next round: K samples (GBV) drawn in the draft's vocabulary, and ``draft_probs``
-    over the target vocabulary (a hot-vocabulary EAGLE-3 head: :mod:`.hot_vocab`)."""
-    probs = getattr(draft_input, "draft_probs", None)
-    if draft_input is None or probs is None or probs.dim() != 2 or probs.shape[0] == 0:
-        return
-    drafting = _DRAFTING
-    if drafting is not None:
-        draft_probs = hot_vocab.to_draft(probs).float()
-        if getattr(sampling_info, "is_all_greedy", False):
-            # verified as SGLang's greedy beam tree (the draft graph's greedy variant): its usual top-K start
-            topk_p, topk_index = draft_probs.topk(drafting.num_paths, dim=-1)
-        else:
-            topk_p, topk_index = first_draft_samples(draft_probs, drafting.num_paths,
-                                                     getattr(sampling_info, "top_ks", None),
-                                                     getattr(sampling_info, "sampling_seed", None), positions,
-                                                     sampler=drafting.sampler)
-        draft_input.topk_p, draft_input.topk_index = topk_p, topk_index  # draft ids: SGLang maps them itself
-    draft_input.draft_probs = hot_vocab.to_target(probs)
-
-
-def draft_extend_for_prefill_around(original, worker, batch, *args, **kwargs):
-    """AROUND ``EagleDraftWorker._draft_extend_for_prefill``: K depth-1 samples from the returned ``q_1`` (GBV),
-    ``q_1`` over the target vocabulary."""
-    result = original(worker, batch, *args, **kwargs)
-    _finish_first(result, getattr(batch, "sampling_info", None), getattr(batch, "seq_lens", None))
-    return result
-
-
-def draft_extend_for_decode_around(original, worker, batch, batch_result, *args, **kwargs):
-    """AROUND ``EagleDraftWorker._draft_extend_for_decode``: K depth-1 samples for the next round (GBV)."""
-    result = original(worker, batch, batch_result, *args, **kwargs)
-    _finish_first(getattr(batch_result, "next_draft_input", None), getattr(batch, "sampling_info", None),
-                  getattr(batch_result, "new_seq_lens", None))
-    return result
-
-
-def sample_draft_proposal_around(original, next_token_logits, temperatures, top_ks=None, *, sampling_seed=None,
-                                 positions=None, draft_step: int = 0):
-    """AROUND ``spec_utils.sample_draft_proposal`` (SGLang's draft sampler, run inside the draft graph).
-
-    Returned q rows are over the target vocabulary (scattered from a hot-vocabulary head; sampled ids stay
-    draft ids). With GBV, for a draft step (``draft_step >= 1``) over ``B*K`` branch rows: one sample per row with
-    per-branch settings, the rows' ``q`` kept in the :class:`GBVDrafting` buffer, ``topk_p [B*K, K]`` one-hot on
-    the sample (column 0), ``topk_index [B*K, K]`` the sample repeated, and branch 0's ``q`` ``[B, V]`` as the
-    step's ``draft_probs`` entry (SGLang stacks one ``[B, V]`` per depth).
-    """
-    drafting = _DRAFTING
-    batch = temperatures.shape[0] if temperatures is not None else 0
-    rows = next_token_logits.shape[0]
-    if drafting is None or draft_step < 1 or batch == 0 or rows != batch * drafting.num_paths:
-        probs, p, index = original(next_token_logits, temperatures, top_ks, sampling_seed=sampling_seed,
-                                   positions=positions, draft_step=draft_step)
-        return hot_vocab.to_target(probs), p, index
-    k = drafting.num_paths
-    temps = temperatures.repeat_interleave(k, dim=0)
-    ks = None if top_ks is None else top_ks.reshape(-1).repeat_interleave(k)
-    seeds = _branch_seeds(sampling_seed, k)
-    pos = positions
-    if pos is not None and pos.numel() == batch:
-        pos = pos.reshape(-1).repeat_interleave(k)
-    probs, _, index = original(next_token_logits, temps, ks, sampling_seed=seeds, positions=pos,
-                               draft_step=draft_step)
-    probs = hot_vocab.to_target(probs)
-    drafting.record(draft_step, probs)
-    topk_p = torch.zeros(rows, k, dtype=torch.float32, device=probs.device)
-    topk_p[:, 0] = 1.0
-    topk_index = index.reshape(rows, 1).to(torch.int64).expand(rows, k).contiguous()
-    return probs.reshape(batch, k, -1)[:, 0], topk_p, topk_index
-
-
 # ---- verification -----------------------------------------------------------------------------------------
-def chain_nodes(retrive_next_token: torch.Tensor, retrive_next_sibling: torch.Tensor, num_paths: int,
-                num_steps: int) -> torch.Tensor:
-    """Local node ids ``[B, K, L] int64`` of the K root-to-leaf chains of SGLang's verify tree.
-
-    Args:
-        retrive_next_token: ``[B, N]`` first child of each local node (-1 none); retrive_next_sibling: ``[B, N]``
-            next sibling (-1 none); ``N = K*L + 1``, node 0 the root.
-
-    Raises:
-        ValueError: the tree is not K chains of depth L (a missing child or sibling).
-    """
-    batch, width = retrive_next_token.shape
-    if width != num_paths * num_steps + 1:
-        raise ValueError(f"specadapt GBV: the verify tree has {width} nodes per request, expected K*L+1 = "
-                         f"{num_paths * num_steps + 1}; set --speculative-num-draft-tokens {num_paths * num_steps + 1}")
-    nxt = retrive_next_token.to(torch.int64)
-    sib = retrive_next_sibling.to(torch.int64)
-    first = [nxt[:, 0]]
-    for _ in range(num_paths - 1):
-        first.append(sib.gather(1, first[-1].clamp_min(0)[:, None]).squeeze(1))
-    levels = [torch.stack(first, dim=1)]  # [B, K]
-    for _ in range(num_steps - 1):
-        levels.append(nxt.gather(1, levels[-1].clamp_min(0)))
-    nodes = torch.stack(levels, dim=2)
-    _check((nodes >= 0).all(), "specadapt GBV: the verify tree is not K chains of depth L (was it drafted by the "
-                               "plugin's K-path hooks?)")
-    return nodes
-
-
-def _check(condition: torch.Tensor, message: str) -> None:
-    """Raise ``ValueError(message)`` when ``condition`` (a bool tensor) is false: on the host for CPU tensors,
-    as an asynchronous device assertion otherwise (no host sync in SGLang's verify path)."""
-    if condition.device.type == "cpu":
-        if not bool(condition):
-            raise ValueError(message)
-    else:
-        torch._assert_async(condition, message)
-
-
 @dataclass
 class GBVRound:
     """What one GBV call decided: ``out`` (:class:`specadapt.verification.gbv.GBVOutput`), ``path_nodes`` ``[B,
     L+1]`` local node ids (root first) of each request's chosen path, ``draft_probs`` ``[B, L, V]`` the q rows
     its drafts were sampled from."""
 
-    out: object
+    out: GBVOutput
     path_nodes: torch.Tensor
     draft_probs: torch.Tensor
 
@@ -342,7 +210,7 @@ def gbv_speculative_sampling(drafting: GBVDrafting, predicts, accept_index, acce
     vocab = target_probs.shape[-1]
     nodes = chain_nodes(retrive_next_token, retrive_next_sibling, k, depth)  # [B, K, L]
     branch = nodes[:, :, 0] - 1  # depth-1 nodes are local 1..K in branch order (organize_draft_results)
-    _check(((branch >= 0) & (branch < k)).all(), "specadapt GBV: depth-1 nodes are not local nodes 1..K")
+    assert_all(((branch >= 0) & (branch < k)).all(), "specadapt GBV: depth-1 nodes are not local nodes 1..K")
     if draft_probs.dim() != 3 or draft_probs.shape[1] != depth or draft_probs.shape[2] != vocab:
         raise ValueError(f"specadapt GBV: draft_probs must be [B, L, V] = [{batch}, {depth}, {vocab}], got "
                          f"{tuple(draft_probs.shape)}")
@@ -375,8 +243,6 @@ def gbv_speculative_sampling(drafting: GBVDrafting, predicts, accept_index, acce
         broadcast(chosen)
     chosen_nodes = path_nodes.gather(1, chosen[:, None, None].expand(-1, 1, depth + 1)).squeeze(1)
     global_ids = retrive_index.to(torch.int64).gather(1, chosen_nodes)
-    from .verify import scatter_sglang_outputs
-
     scatter_sglang_outputs(out.accept_len, out.output_tokens, global_ids, predicts, accept_index, accept_token_num)
     chosen_q = q.gather(1, chosen[:, None, None, None].expand(-1, 1, depth, vocab)).squeeze(1)
     return GBVRound(out, chosen_nodes, chosen_q)

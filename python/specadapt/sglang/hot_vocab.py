@@ -7,23 +7,21 @@ verification and GBV are exact for any proposal law on the target vocabulary; th
 hot ids and 0 elsewhere. The plugin therefore hands SGLang every q row scattered into the target vocabulary:
 
 * AROUND ``EagleDraftWorker.alloc_memory_pool``: SGLang's vocabulary check is skipped (rejection sampling hidden
-  for the call), and the draft's ``hot_token_id`` (set there by ``init_lm_head``) is recorded;
-* the draft sampler and the draft extends (:mod:`specadapt.sglang.gbv` hooks) return ``q`` over ``V`` while the
-  sampled ids stay draft ids (SGLang maps them through ``hot_token_id`` itself).
+  for the call), and the draft's ``hot_token_id`` (set there by ``init_lm_head``) is recorded as a
+  :class:`HotVocab` in the process state (:attr:`specadapt.sglang.state.PluginState.hot_vocab`);
+* the draft sampler and the draft extends return ``q`` over ``V`` while the sampled ids stay draft ids (SGLang
+  maps them through ``hot_token_id`` itself).
 
-Nothing here imports sglang at module import.
+Those hooks are in :mod:`.draft_hooks`; this module holds the map. Nothing here imports sglang.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 
-logger = logging.getLogger("specadapt.sglang")
-
-__all__ = ["HotVocab", "alloc_memory_pool_around", "get_hot_vocab", "set_hot_vocab", "to_draft", "to_target"]
+__all__ = ["HotVocab"]
 
 
 @dataclass
@@ -57,53 +55,3 @@ class HotVocab:
         if probs.shape[-1] != self.target_vocab or self.ids.numel() == self.target_vocab:
             return probs
         return probs.index_select(-1, self.ids.to(probs.device))
-
-
-_HOT: HotVocab | None = None
-
-
-def set_hot_vocab(hot: HotVocab | None) -> None:
-    """Install (or clear) this process's :class:`HotVocab`."""
-    global _HOT
-    _HOT = hot
-
-
-def get_hot_vocab() -> HotVocab | None:
-    """This process's :class:`HotVocab` (``None``: the draft predicts the target vocabulary)."""
-    return _HOT
-
-
-def to_target(probs):
-    """q rows over the target vocabulary (no-op without a hot vocabulary or for ``None``)."""
-    return probs if _HOT is None or probs is None else _HOT.to_target(probs)
-
-
-def to_draft(probs):
-    """q rows over the draft vocabulary (no-op without a hot vocabulary or for ``None``)."""
-    return probs if _HOT is None or probs is None else _HOT.to_draft(probs)
-
-
-def alloc_memory_pool_around(original, worker, *args, **kwargs):
-    """AROUND ``EagleDraftWorker.alloc_memory_pool``: run it with rejection sampling hidden (SGLang refuses a hot
-    vocabulary under it), then record the draft's ``hot_token_id`` for the q-row scatter."""
-    from sglang.srt.runtime_context import get_spec
-
-    with get_spec().override(speculative_use_rejection_sampling=False):
-        result = original(worker, *args, **kwargs)
-    if not get_spec().speculative_use_rejection_sampling:
-        return result
-    target_vocab = int(worker.target_worker.model_config.vocab_size)
-    draft_rows = int(worker.draft_runner.model_config.vocab_size)  # width of SGLang's draft_probs graph buffers
-    if draft_rows != target_vocab:
-        raise RuntimeError(f"specadapt: the draft's config vocab_size ({draft_rows}) differs from the target's "
-                           f"({target_vocab}); q rows over the target vocabulary would not fit SGLang's buffers")
-    hot = getattr(worker, "hot_token_id", None)
-    if hot is not None:
-        mode = getattr(getattr(worker, "server_args", None), "disaggregation_mode", None)
-        if mode not in (None, "null"):
-            raise RuntimeError(f"specadapt: a hot-vocabulary draft with --disaggregation-mode {mode} is not supported "
-                               "(the prefill-decode handover builds q over draft ids)")
-        set_hot_vocab(HotVocab(hot, target_vocab))
-        logger.info("specadapt: the draft predicts %d hot tokens of %d; q rows are scattered into the target "
-                    "vocabulary for verification", int(hot.numel()), target_vocab)
-    return result

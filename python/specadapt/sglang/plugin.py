@@ -15,7 +15,8 @@ DP controller, detokenizer). It registers only light hooks there:
   built, the hooks its constructor needs (GBV only); after, once it exists and before any CUDA graph is
   captured, the heavy hooks (:mod:`.install`); both checked applied.
 
-SGLang logs hook failures instead of raising; :func:`check_applied` turns a missing hook into an error.
+SGLang logs hook failures instead of raising; :func:`specadapt.sglang.registry.check_applied` turns a missing
+hook into an error.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 
 from .config import PluginConfig, PluginConfigError, config_from_env, validate_for_server
 from .flags import FLAG_DESTS, add_arguments, config_from_namespace
+from .registry import check_applied
 
 logger = logging.getLogger("specadapt.sglang")
 
@@ -34,7 +36,6 @@ __all__ = [
     "INIT_DRAFT_WORKER",
     "LIGHT_TARGETS",
     "SERVER_ARGS_ATTR",
-    "check_applied",
     "config_of",
     "register",
 ]
@@ -65,24 +66,6 @@ def register() -> None:
     HookRegistry.register(INIT_DRAFT_WORKER, _around_init_draft_worker, HookType.AROUND)
     register_resolution_hook(RESOLUTION_STEP)(_resolve_speculative)
     _registered = True
-
-
-def check_applied(targets) -> None:
-    """Raise ``RuntimeError`` naming every target of ``targets`` that SGLang did not patch.
-
-    SGLang's ``HookRegistry.apply_hooks`` only logs a failure (a renamed function in another sglang version,
-    an import error); serving on silently without the hook would run the wrong verification rule.
-    """
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
-    missing = [t for t in targets if t not in HookRegistry._patched]
-    if missing:
-        import sglang
-
-        raise RuntimeError(
-            f"specadapt: SGLang did not apply the hook(s) {missing} (sglang {getattr(sglang, '__version__', '?')}; "
-            "specadapt is tested with sglang==0.5.23). See the log above for the reason."
-        )
 
 
 def config_of(server_args: Any) -> PluginConfig | None:

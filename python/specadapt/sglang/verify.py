@@ -8,7 +8,7 @@
   and verifying against it is exact.
 * :func:`target_probs_for_requests` turns SGLang's per-request sampling settings into the target law.
 * :func:`sampling_refusal` says which of a request's SGLang sampling options the plugin cannot honour (the
-  scheduler hook in :mod:`.install` refuses such a request).
+  scheduler hook in :mod:`.hooks` refuses such a request).
 
 What reaches the target law (SGLang 0.5.23, read from ``eagle_utils.eagle_sample`` and
 ``dflash_utils.apply_dflash_verify_logits_adjustments``): SGLang adds the logit bias and applies grammar masks
@@ -24,112 +24,25 @@ Nothing here imports sglang at module import; the layouts are documented per fun
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import torch
 
 from .. import kernels
 from ..sampling import SamplingParams, apply_min_p, logits_to_probs
+from .gbv import gbv_speculative_sampling
+from .layout import scatter_sglang_outputs
+from .state import VerifyRuntime, current, require
 
 logger = logging.getLogger("specadapt.sglang")
 
 __all__ = [
-    "VerifyRuntime",
     "chain_speculative_sampling",
     "dflash_accept_block",
-    "get_runtime",
+    "dflash_verify",
     "request_verify_coins",
     "sampling_refusal",
-    "scatter_sglang_outputs",
-    "set_runtime",
     "target_probs_for_requests",
 ]
-
-
-@dataclass
-class VerifyRuntime:
-    """Per-process state the replaced functions read.
-
-    Attributes:
-        rule: ``chain``, ``block`` or ``gbv``.
-        impl: kernel implementation passed to :func:`specadapt.kernels.verify` (``auto``).
-        seed: seed of the coins the plugin draws itself (DFLASH), mixed into the per-request streams when SGLang
-            carries per-request seeds, the seed of one generator for the batch otherwise.
-        pending_min_ps: ``[B] float32`` SGLang's per-request min-p of the batch being verified (set by the
-            ``eagle_sample`` hook when a request uses min-p, consumed by the sampler), or ``None``.
-        pending_caps: ``[B] int64`` drafts each request may verify this round (adaptive verification sets it
-            right before SGLang's sampler runs and it is consumed by that call), or ``None``.
-        calls: number of verification calls served (for start-up checks and logs).
-        gbv: the K-path drafting state (:class:`specadapt.sglang.gbv.GBVDrafting`) when ``rule == "gbv"``.
-        last_gbv: the :class:`specadapt.sglang.gbv.GBVRound` of the last GBV call (read by the TTS hook).
-        broadcast: in-place broadcast from TP rank 0, or ``None`` at TP 1.
-    """
-
-    rule: str = "chain"
-    impl: str = "auto"
-    seed: int = 0
-    pending_caps: torch.Tensor | None = None
-    pending_min_ps: torch.Tensor | None = None
-    calls: int = 0
-    gbv: object = None  # specadapt.sglang.gbv.GBVDrafting with --specadapt-verify gbv
-    last_gbv: object = None  # specadapt.sglang.gbv.GBVRound of the last GBV call (chosen paths, their q rows)
-    broadcast: object = None  # in-place broadcast from TP rank 0 (None at TP 1)
-    _generators: dict = field(default_factory=dict)
-
-    def take_caps(self) -> torch.Tensor | None:
-        caps, self.pending_caps = self.pending_caps, None
-        return caps
-
-    def take_min_ps(self) -> torch.Tensor | None:
-        min_ps, self.pending_min_ps = self.pending_min_ps, None
-        return min_ps
-
-    def generator(self, device: torch.device) -> torch.Generator:
-        """The batch-wide generator of ``device`` (coins of requests without an SGLang per-request seed)."""
-        key = str(device)
-        if key not in self._generators:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(self.seed)
-            self._generators[key] = gen
-        return self._generators[key]
-
-
-_RUNTIME: VerifyRuntime | None = None
-
-
-def set_runtime(runtime: VerifyRuntime | None) -> None:
-    """Install (or clear) the process-wide :class:`VerifyRuntime`."""
-    global _RUNTIME
-    _RUNTIME = runtime
-
-
-def get_runtime() -> VerifyRuntime:
-    """The installed runtime; ``RuntimeError`` if the plugin did not install one in this process."""
-    if _RUNTIME is None:
-        raise RuntimeError("specadapt: the verification runtime is not installed in this process")
-    return _RUNTIME
-
-
-def scatter_sglang_outputs(accept_len, output_tokens, retrive_index, predicts, accept_index, accept_token_num):
-    """Write a specadapt result into SGLang's in-place chain-verification outputs.
-
-    Args:
-        accept_len: ``[B] int32`` accepted drafts (tau).
-        output_tokens: ``[B, L+1] int32``, the tau accepted drafts then the extra token.
-        retrive_index: ``[B, L+1] int64`` global node id of each slot (``b * (L+1) + j`` in SGLang's chain).
-        predicts: ``[B * (L+1)] int32`` (mutated): the token following each accepted node.
-        accept_index: ``[B, >= L+1] int32`` (mutated): global ids of the root and the accepted nodes, -1 after.
-        accept_token_num: ``[B] int32`` (mutated): tau.
-    """
-    batch, slots = output_tokens.shape
-    tau = accept_len.to(torch.int64)
-    position = torch.arange(slots, device=output_tokens.device)[None, :]
-    live = position <= tau[:, None]
-    index = retrive_index[:, :slots].to(torch.int64)
-    accept_index.fill_(-1)
-    accept_index[:, :slots].copy_(torch.where(live, index, torch.full_like(index, -1)).to(accept_index.dtype))
-    predicts[index[live]] = output_tokens[live].to(predicts.dtype)
-    accept_token_num.copy_(accept_len.to(accept_token_num.dtype))
 
 
 def chain_speculative_sampling(
@@ -158,26 +71,28 @@ def chain_speculative_sampling(
     ``draft_probs [B, L, V] float32``. Outputs are written in place: ``predicts [B*(L+1)] int32``,
     ``accept_index [B, L+1] int32``, ``accept_token_num [B] int32`` (accepted drafts, bonus excluded).
     ``retrive_next_*``, the thresholds, ``deterministic`` and SGLang's own ``block_verification`` switch are
-    ignored: the rule is ``--specadapt-verify`` (chain: Leviathan et al. 2023; block: Sun et al. 2024, Alg. 2),
-    and adaptive verification's per-request caps (``VerifyRuntime.pending_caps``) limit the drafts verified.
+    ignored: the rule is ``--specadapt-verify`` (chain: Leviathan et al. 2023; block: Sun et al. 2024, Alg. 2;
+    GBV over the tree of K chains with the state's :class:`~specadapt.sglang.gbv.GBVDrafting`), and adaptive
+    verification's per-request caps (``VerifyRuntime.pending_caps``) limit the drafts verified. The rule and
+    its pending values are read from the installed :class:`~specadapt.sglang.state.PluginState`.
     SGLang's ``target_probs`` leave min-p out; with ``VerifyRuntime.pending_min_ps`` set (the ``eagle_sample``
     hook) each request's rows get its min-p first (:func:`specadapt.sampling.apply_min_p`), GBV trees included.
 
     Raises:
         ValueError: shapes that are not SGLang's chain layout, or no draft law (``draft_probs`` of the target's
             shape means SGLang ran without rejection sampling, so q does not exist).
+        RuntimeError: no plugin state installed in this process; the GBV rule without its drafting state.
     """
-    runtime = get_runtime()
+    state = require()
+    runtime = state.runtime
     min_ps = runtime.take_min_ps()
     if min_ps is not None:
         target_probs = apply_min_p(target_probs, min_ps.reshape(-1, 1, 1).to(target_probs.device))
     if runtime.rule == "gbv":
-        from .gbv import gbv_speculative_sampling
-
-        if runtime.gbv is None:
+        if state.drafting is None:
             raise RuntimeError("specadapt: --specadapt-verify gbv without its K-path drafting state")
         runtime.last_gbv = gbv_speculative_sampling(
-            runtime.gbv, predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
+            state.drafting, predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
             retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling, target_probs, draft_probs,
             impl=runtime.impl, caps=runtime.take_caps(), broadcast=runtime.broadcast)
         runtime.calls += 1
@@ -355,8 +270,9 @@ def dflash_accept_block(original, worker, *args, **kwargs):
     candidates = kwargs.get("candidates")
     logits = kwargs.get("next_token_logits")
     sampling_info = kwargs.get("sampling_info")
+    state = current()
     if (
-        _RUNTIME is None
+        state is None
         or args
         or candidates is None
         or logits is None
@@ -366,7 +282,7 @@ def dflash_accept_block(original, worker, *args, **kwargs):
         or getattr(sampling_info, "is_all_greedy", True)
     ):
         return original(worker, *args, **kwargs)
-    runtime = _RUNTIME
+    runtime = state.runtime
     accept_len, bonus = dflash_verify(runtime, candidates, logits, sampling_info, kwargs.get("prefix_lens"))
     sync = getattr(worker, "_tp_sync", None)
     if sync is not None:
