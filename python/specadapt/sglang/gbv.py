@@ -19,7 +19,7 @@ The plugin gets them out of SGLang's own tree machinery, unchanged, by choosing 
 * **Verify.** The replaced chain sampler (:func:`specadapt.sglang.verify.chain_speculative_sampling`) sees the
   tree; :func:`gbv_speculative_sampling` reads the chains off ``retrive_next_token`` / ``retrive_next_sibling``
   (:func:`~specadapt.sglang.layout.chain_nodes`), gathers each path's target rows, tokens and q rows (depth 1
-  from ``draft_probs[:, 0]``, deeper from the buffer), runs :func:`specadapt.kernels.gbv_verify` and writes the
+  from ``draft_probs[:, 0]``, deeper from the buffer), runs :func:`specadapt.kernels.verify_paths` and writes the
   chosen path's accepted nodes into SGLang's ``accept_index`` / ``predicts`` (SGLang then compacts the accepted path, as for any top-k tree).
 
 Greedy batches keep SGLang's top-k tree and greedy verification (the draft graph's greedy variant). This module
@@ -186,7 +186,7 @@ class GBVRound:
 def gbv_speculative_sampling(drafting: GBVDrafting, predicts, accept_index, accept_token_num, candidates,
                              retrive_index, retrive_next_token, retrive_next_sibling, uniform_samples,
                              uniform_samples_for_final_sampling, target_probs, draft_probs, impl: str = "auto",
-                             caps: torch.Tensor | None = None, broadcast=None) -> GBVRound:
+                             caps: torch.Tensor | None = None, broadcast=None, rule: str = "gbv") -> GBVRound:
     """GBV over the K chains of SGLang's verify tree, written into SGLang's in-place outputs.
 
     Layout (SGLang 0.5.23 ``eagle_sample`` under rejection sampling, top-k K): ``candidates [B, N] int64`` (node 0
@@ -197,7 +197,8 @@ def gbv_speculative_sampling(drafting: GBVDrafting, predicts, accept_index, acce
     (root then the accepted nodes of the chosen path), ``accept_token_num [B]`` (accepted drafts).
     ``caps [B]`` (adaptive verification) verifies at most ``caps[b]`` drafts of each path (a prefix of every
     path is again K sampled paths: exact). ``broadcast`` (TP > 1) makes every rank keep rank 0's chosen path,
-    as SGLang keeps rank 0's accepted tokens.
+    as SGLang keeps rank 0's accepted tokens. ``rule``: the multi-path rule's registry name
+    (:mod:`specadapt.verification.rules`).
 
     Returns:
         The :class:`GBVRound` (chosen paths and their q rows, for TTS).
@@ -235,9 +236,9 @@ def gbv_speculative_sampling(drafting: GBVDrafting, predicts, accept_index, acce
     final = uniform_samples_for_final_sampling.reshape(-1).float()
     caps_host = None if caps is None else caps.to("cpu", torch.int64)  # adaptive verification syncs anyway
     if caps_host is None or bool((caps_host >= depth).all()):
-        out = kernels.gbv_verify(tokens, target.float(), q.contiguous(), coins, final, impl=impl)
+        out = kernels.verify_paths(rule, tokens, target.float(), q.contiguous(), coins, final, impl=impl)
     else:
-        out = kernels.gbv_verify_capped(tokens, target.float(), q, coins, final, caps_host, impl=impl)
+        out = kernels.verify_paths_capped(rule, tokens, target.float(), q, coins, final, caps_host, impl=impl)
     chosen = out.chosen_path.to(torch.int64).contiguous()
     if broadcast is not None:  # SGLang broadcasts rank 0's accepted tokens after the sampler; keep its path too
         broadcast(chosen)

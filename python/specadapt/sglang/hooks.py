@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..verification.rules import RULES
 from .probes import capturing
 from .state import current
 from .verify import dflash_accept_block, sampling_refusal
@@ -38,7 +39,7 @@ def eagle_sample_around(original, verify_input, batch, logits_output, *args, **k
         plan = (caps, features, predictions)
     snap = None
     uses_features = state.tts is not None and getattr(state.tts.student, "uses_features", True)
-    tree = state.runtime.rule == "gbv"  # a verify tree: snapshot every node, keep the chosen path afterwards
+    tree = RULES[state.runtime.rule].multi_path  # a verify tree: snapshot every node, keep the chosen path afterwards
     if state.tts is not None and (logits_output.hidden_states is not None or not uses_features):
         snap = state.tts.snapshot(
             [req.rid for req in batch.reqs], verify_input.draft_token, logits_output.hidden_states,

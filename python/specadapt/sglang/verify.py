@@ -29,6 +29,7 @@ import torch
 
 from .. import kernels
 from ..sampling import SamplingParams, apply_min_p, logits_to_probs
+from ..verification.rules import RULES
 from .gbv import gbv_speculative_sampling
 from .layout import scatter_sglang_outputs
 from .state import VerifyRuntime, current, require
@@ -88,13 +89,13 @@ def chain_speculative_sampling(
     min_ps = runtime.take_min_ps()
     if min_ps is not None:
         target_probs = apply_min_p(target_probs, min_ps.reshape(-1, 1, 1).to(target_probs.device))
-    if runtime.rule == "gbv":
+    if RULES[runtime.rule].multi_path:
         if state.drafting is None:
-            raise RuntimeError("specadapt: --specadapt-verify gbv without its K-path drafting state")
+            raise RuntimeError(f"specadapt: --specadapt-verify {runtime.rule} without its K-path drafting state")
         runtime.last_gbv = gbv_speculative_sampling(
             state.drafting, predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
             retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling, target_probs, draft_probs,
-            impl=runtime.impl, caps=runtime.take_caps(), broadcast=runtime.broadcast)
+            impl=runtime.impl, caps=runtime.take_caps(), broadcast=runtime.broadcast, rule=runtime.rule)
         runtime.calls += 1
         return
     batch, slots = candidates.shape
