@@ -467,7 +467,7 @@ def test_http_backend_against_specadapt_serve(tiny_model_dir, tmp_path, capsys):
     acceptance lengths from spec_verify_ct, acceptance by output position from spec_round_emitted, the plot, and
     the server's specadapt_* metrics scraped."""
     pytest.importorskip("matplotlib")
-    from serving import RunningServer
+    from tests.helpers.serving import RunningServer
 
     srv = RunningServer(["--model", str(tiny_model_dir), "--draft", "self:1", "--verify", "block",
                          "--num-draft-tokens", "3", "--max-batch-size", "2"])

@@ -19,7 +19,7 @@ from specadapt.sglang.install import (
 from specadapt.sglang.students.dflash import DFlashStudent
 from specadapt.sglang.tts_dflash import SGLangDFlashTTS
 from specadapt.sglang.verify import VerifyRuntime
-from test_sglang_students import with_parameters
+from tests.helpers.sglang import with_parameters
 
 HIDDEN, HEADS, KV, D, INTER, VOCAB, MASK = 16, 4, 2, 4, 24, 30, 3
 

@@ -17,7 +17,7 @@ from specadapt.sglang.config import PluginConfig
 from specadapt.sglang.install import PluginState, add_request_around, eagle_sample_around, plan_targets
 from specadapt.sglang.verify import (VerifyRuntime, chain_speculative_sampling, dflash_verify, request_verify_coins,
                                      sampling_refusal, set_runtime, target_probs_for_requests)
-from test_sglang_adapter import _sglang_chain_inputs
+from tests.helpers.sglang import _sglang_chain_inputs
 
 
 def _outputs(batch, slots):
