@@ -15,15 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-
-def curve(report: dict) -> tuple[list[float], list[float]]:
-    xs, ys = [], []
-    for b in report["summary"]["acceptance_by_position"]:
-        if b["rounds"] and b["acceptance_length"] is not None:
-            end = b["end"] if b["end"] is not None else b["start"] * 2
-            xs.append((b["start"] + end) / 2)
-            ys.append(b["acceptance_length"])
-    return xs, ys
+from specadapt.bench.long_gen.plot import acceptance_curve as curve
 
 
 def name(report: dict, path: Path) -> str:

@@ -1,5 +1,6 @@
-"""scripts/bench_long_gen.py against a fake OpenAI-compatible / SGLang server started in the test, and on the
-embedded engine (a tiny random model; the real SmolLM2-135M under the real_model marker)."""
+"""scripts/bench_long_gen.py (the CLI over specadapt.bench.long_gen) against a fake OpenAI-compatible / SGLang
+server started in the test, and on the embedded engine (a tiny random model; the real SmolLM2-135M under the
+real_model marker)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from specadapt.bench.long_gen.client import acceptance_from, parse_prometheus
+from specadapt.bench.long_gen.plot import plot
+from specadapt.bench.long_gen.report import summarize
 from specadapt.datasets import load_prompts
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
@@ -208,7 +212,7 @@ def test_generate_api_reads_spec_verify_ct(server, tmp_path, capsys):
     assert s["server_spec_accept_length_after"] == 2.5
     assert [p for m, p, _ in server.requests if m == "GET"] == ["/metrics", "/metrics"]
     assert fig.stat().st_size > 1000
-    assert "per-request acceptance length vs output length" in bench.plot(report, str(tmp_path / "again.png"))
+    assert "per-request acceptance length vs output length" in plot(report, str(tmp_path / "again.png"))
     assert "acceptance length" in stdout and "(tokens / rounds)" in stdout
 
 
@@ -233,7 +237,7 @@ def test_chat_api_without_spec_metrics_reports_null(server, tmp_path, capsys):
     assert report["summary"]["acceptance_length"] is None
     assert report["summary"]["requests_with_acceptance"] == 0
     assert report["server_metrics"] is None
-    assert "no speculative metrics" in bench.plot(report, str(tmp_path / "q.png"))
+    assert "no speculative metrics" in plot(report, str(tmp_path / "q.png"))
 
 
 def test_chat_api_reads_meta_info_and_passes_flags(server, tmp_path, capsys):
@@ -359,15 +363,15 @@ def test_argparse_errors_exit_2(capsys):
 
 
 def test_parse_prometheus_and_acceptance_rules():
-    samples = bench.parse_prometheus(METRICS_TEXT + 'sglang:spec_verify_ct_total 12\nsglang:spec_x{a="b,c"} nan\n')
+    samples = parse_prometheus(METRICS_TEXT + 'sglang:spec_verify_ct_total 12\nsglang:spec_x{a="b,c"} nan\n')
     assert samples["sglang:spec_accept_rate"] == [{"labels": {"model_name": "fake-model"}, "value": 0.3}]
     assert samples["sglang:spec_verify_ct_total"] == [{"labels": {}, "value": 12.0}]
     assert samples["sglang:spec_x"][0]["labels"] == {"a": "b,c"}
-    assert bench.acceptance_from(10, {"spec_verify_ct": 4}) == (2.5, "completion_tokens/spec_verify_ct")
+    assert acceptance_from(10, {"spec_verify_ct": 4}) == (2.5, "completion_tokens/spec_verify_ct")
     server_only = {"spec_verify_ct": 0, "spec_accept_length": 3.0}
-    assert bench.acceptance_from(10, server_only) == (3.0, "server spec_accept_length")
-    assert bench.acceptance_from(10, {"spec_verify_ct": 0}) == (None, None)
-    assert bench.acceptance_from(10, {}) == (None, None)
+    assert acceptance_from(10, server_only) == (3.0, "server spec_accept_length")
+    assert acceptance_from(10, {"spec_verify_ct": 0}) == (None, None)
+    assert acceptance_from(10, {}) == (None, None)
 
 
 def test_summary_weights_acceptance_by_tokens():
@@ -376,10 +380,10 @@ def test_summary_weights_acceptance_by_tokens():
         {"output_tokens": 10, "latency_s": 1.0, "acceptance_length": 1.0},  # 10 rounds
         {"output_tokens": 50, "latency_s": 3.0, "acceptance_length": None},
     ]
-    s = bench.summarize(records, wall=4.0)
+    s = summarize(records, wall=4.0)
     assert s["acceptance_length"] == pytest.approx(110 / 35)  # tokens / rounds
     assert s["acceptance_length_token_weighted"] == pytest.approx((100 * 4.0 + 10 * 1.0) / 110)
-    assert bench.summarize(records, wall=4.0, overall_acceptance=2.0)["acceptance_length"] == 2.0
+    assert summarize(records, wall=4.0, overall_acceptance=2.0)["acceptance_length"] == 2.0
     assert s["requests_with_acceptance"] == 2
     assert s["throughput_tok_s"] == pytest.approx(160 / 4.0)
     assert s["latency_mean_s"] == pytest.approx(2.0) and s["latency_median_s"] == 2.0 and s["latency_p90_s"] == 3.0
@@ -415,7 +419,7 @@ def test_embedded_backend_tiny_model(tiny_model_dir, tmp_path, capsys):
     assert sum(b["rounds"] for b in s["acceptance_by_position"]) == sum(r["rounds"] for r in report["requests"])
     assert report["config"]["concurrency"] == 2 and report["config"]["model"] == str(tiny_model_dir)
     assert fig.stat().st_size > 1000
-    assert bench.plot(report, str(tmp_path / "again.png")).startswith("acceptance length vs output position")
+    assert plot(report, str(tmp_path / "again.png")).startswith("acceptance length vs output position")
 
 
 def test_embedded_backend_rejects_bad_generate_flags(tiny_model_dir, tmp_path, capsys):
@@ -467,7 +471,7 @@ def test_http_backend_against_specadapt_serve(tiny_model_dir, tmp_path, capsys):
     acceptance lengths from spec_verify_ct, acceptance by output position from spec_round_emitted, the plot, and
     the server's specadapt_* metrics scraped."""
     pytest.importorskip("matplotlib")
-    from serving import RunningServer
+    from tests.helpers.serving import RunningServer
 
     srv = RunningServer(["--model", str(tiny_model_dir), "--draft", "self:1", "--verify", "block",
                          "--num-draft-tokens", "3", "--max-batch-size", "2"])
@@ -491,4 +495,4 @@ def test_http_backend_against_specadapt_serve(tiny_model_dir, tmp_path, capsys):
     assert s["acceptance_length"] == pytest.approx(72 / sum(r["spec_verify_ct"] for r in report["requests"]))
     after = report["server_metrics"]["after"]
     assert after["specadapt_generation_tokens_total"][0]["value"] >= 72
-    assert bench.plot(report, str(fig)).startswith("acceptance length vs output position")
+    assert plot(report, str(fig)).startswith("acceptance length vs output position")

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import loaded, tiny_llama
-from test_engine_tiny import GREEDY, PROMPTS, _exact_joint, assert_first_tokens_follow, naive_greedy
+from tests.helpers.models import loaded, tiny_llama
+from tests.helpers.engine import GREEDY, PROMPTS, _exact_joint, assert_first_tokens_follow, naive_greedy
 from specadapt.budget import CostTable, allocate_prefixes, choose_budget, survival
 from specadapt.engine import ModelDraft, NgramDraft, SpeculativeEngine
 from specadapt.engine.adaptive import AdaptiveVerification, profile_engine_costs
@@ -118,7 +118,7 @@ def test_adaptive_sampled_output_follows_the_target_law():
 def test_profile_engine_costs_times_the_path_in_use(tiny_target, which):
     """The cost table times the engine's own forward path and draft object (issue 16: the native path's costs
     are not transformers'), at interpolated sizes, monotone; ngram costs no draft time."""
-    from test_eagle import eagle
+    from tests.helpers.engine import eagle
 
     draft = ModelDraft(self_draft(tiny_target, 1), GREEDY, 0, "self:1") if which == "self:1" else eagle(tiny_target)
     costs = profile_engine_costs(tiny_target, draft, 12, 3, 2, repeats=2, context=16)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import WORDS, save_tiny_model_dir
+from tests.helpers.models import WORDS, save_tiny_model_dir
 from specadapt.cli import main
 
 

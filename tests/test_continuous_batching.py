@@ -8,10 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import loaded, tiny_llama
-from test_eagle import make_head
-from test_engine_tiny import GREEDY
-from test_native_engine import native_draft, native_target
+from tests.helpers.models import loaded, tiny_llama
+from tests.helpers.engine import GREEDY, make_head, native_draft, native_target
 from specadapt import kernels
 from specadapt.engine import ModelDraft, NgramDraft, NoDraft, SpeculativeEngine
 from specadapt.engine.drafts import self_draft

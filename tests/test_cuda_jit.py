@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from batches import random_batch, tree_batch
+from tests.helpers.batches import random_batch, tree_batch
 
 from specadapt import cuda_jit, kernels
 

@@ -5,8 +5,8 @@ Run by scripts/device_check.sh. Needs only torch and the built extension (no tra
 
 import pytest
 import torch
-from batches import tree_batch
-from exact_law import Float32Tables, chi_square_pvalue, gbv_outcomes, sample_path_batch
+from tests.helpers.batches import tree_batch
+from tests.helpers.exact_law import Float32Tables, chi_square_pvalue, gbv_outcomes, sample_path_batch
 
 from specadapt import cuda_jit, kernels
 from specadapt.verification import VERIFY_RULES

@@ -5,27 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import loaded, tiny_llama
-from test_engine_tiny import GREEDY, PROMPTS, _exact_joint, assert_first_tokens_follow, naive_greedy
+from tests.helpers.engine import (
+    GREEDY, PROMPTS, _exact_joint, assert_reduced_vocab_eagle_follows, eagle, make_head, naive_greedy,
+    record_first_q_rows,
+)
+from tests.helpers.models import tiny_llama
 from specadapt.engine import NoDraft, SpeculativeEngine
-from specadapt.engine.eagle import EagleHead, default_feature_layers, load_eagle_head, save_eagle_head
-from specadapt.engine.eagle_draft import EagleDraft
+from specadapt.engine.eagle import EagleHead, load_eagle_head, save_eagle_head
 from specadapt.sampling import SamplingParams, logits_to_probs
-
-
-def make_head(target_model, vocab_subset=None, seed=3, std=0.3):
-    torch.manual_seed(seed)
-    layers = default_feature_layers(target_model.config.num_hidden_layers)
-    head = EagleHead(target_model.config, layers, vocab_subset)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0, std)
-    head.requires_grad_(False)
-    return head.attach(target_model).eval()
-
-
-def eagle(target, params=GREEDY, subset=None, seed=5):
-    return EagleDraft(make_head(target.model, subset), params, seed)
 
 
 def oracle_first_q(target_model, head, history, params):
@@ -52,23 +39,6 @@ def test_eagle_greedy_equals_target_only(tiny_target, verify, batch_size):
     assert [r.output_ids for r in results] == expected
 
 
-def record_first_q_rows(draft) -> list:
-    """Wrap ``draft.propose`` so every round appends ``(history, q row of draft 1)`` of each drafting request to
-    the returned list."""
-    seen = []
-    original = draft.propose
-
-    def recording(histories, max_tokens, vocab_size):
-        proposal = original(histories, max_tokens, vocab_size)
-        for r, h in enumerate(histories):
-            if int(proposal.num_tokens[r]) > 0:
-                seen.append((list(h), proposal.probs[r, 0].clone()))
-        return proposal
-
-    draft.propose = recording
-    return seen
-
-
 def test_eagle_first_draft_matches_cache_free_oracle(tiny_target):
     """Every round's first q row equals a fresh head forward over all real (feature, next token) pairs."""
     params = SamplingParams(1.0)
@@ -82,21 +52,6 @@ def test_eagle_first_draft_matches_cache_free_oracle(tiny_target):
         torch.testing.assert_close(q, oracle_first_q(tiny_target.model, draft.head, history, params), atol=1e-5, rtol=1e-4)
         accepted_some = True
     assert accepted_some
-
-
-def assert_reduced_vocab_eagle_follows(params, exact_joint) -> None:
-    """3,000 block-verified requests (L = 2) of an EAGLE draft over a reduced vocabulary on a tiny 8-token target:
-    the first two output tokens follow ``exact_joint(model, prompt, params, 2)`` (chi-square), and the draft was
-    accepted at least once (else the check would be vacuous)."""
-    model = tiny_llama(vocab=8, layers=3, seed=4, init_std=0.3)
-    target = loaded(model)
-    draft = eagle(target, params, subset=torch.tensor([0, 2, 3, 5, 6]), seed=2)
-    engine = SpeculativeEngine(target, draft, params, 2, "block", seed=3)
-    n_req = 3000
-    prompt = [1, 2, 3, 1, 2]
-    results = engine.generate([prompt] * n_req, 3, batch_size=n_req, seeds=list(range(n_req)))
-    assert any(r.rounds[0].accepted > 0 for r in results)
-    assert_first_tokens_follow(results, exact_joint(model, prompt, params, 2), n_req)
 
 
 def test_eagle_sampled_output_follows_target_law():

@@ -1,31 +1,15 @@
 """The batched speculative loop on tiny random Llama models: greedy exactness, EOS / length handling, drafts,
 and an end-to-end statistical losslessness test against the target's exact joint law."""
 
-import itertools
-
-import numpy as np
 import pytest
 import torch
-from scipy import stats
 
-from conftest import loaded, stub_tokenizer, tiny_llama
+from tests.helpers.engine import GREEDY, PROMPTS, _exact_joint, assert_first_tokens_follow, naive_greedy
+from tests.helpers.models import loaded, stub_tokenizer, tiny_llama
 from specadapt.engine import ModelDraft, NgramDraft, NoDraft, SpeculativeEngine, VocabularyMismatchError
 from specadapt.engine.drafts import check_same_vocabulary, self_draft
 from specadapt.engine.models import LoadedModel
-from specadapt.sampling import SamplingParams, logits_to_probs
-
-GREEDY = SamplingParams(temperature=0.0)
-PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [7], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5], [1, 2]]
-
-
-def naive_greedy(model, prompt, n):
-    """Oracle: full forward without any cache, argmax each step."""
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(prompt):]
-
+from specadapt.sampling import SamplingParams
 
 def _drafts(target, kind):
     gen = 5  # the draft's seed
@@ -114,35 +98,6 @@ def test_vocabulary_mismatch_is_refused(tiny_target):
     same_size.tokenizer.get_vocab = lambda: {f"x{i}": i for i in range(32)}
     with pytest.raises(VocabularyMismatchError, match="maps tokens"):
         check_same_vocabulary(tiny_target, same_size)
-
-
-def _exact_joint(model, prompt, params, n):
-    V = model.config.vocab_size
-    joint = np.zeros((V,) * n)
-    with torch.no_grad():
-        for seq in itertools.product(range(V), repeat=n - 1):
-            logits = model(input_ids=torch.tensor([prompt + list(seq)])).logits[0, len(prompt) - 1 :]
-            probs = logits_to_probs(logits, params).double().numpy()
-            prefix_prob = np.prod([probs[i, t] for i, t in enumerate(seq)])
-            joint[seq] = prefix_prob * probs[n - 1]
-    return joint
-
-
-def assert_first_tokens_follow(results, joint, n_req):
-    """Chi-square of the first two emitted tokens of ``n_req`` requests against the exact joint law."""
-    counts = np.zeros_like(joint)
-    for r in results:
-        counts[tuple(r.output_ids[:2])] += 1
-    assert counts[joint == 0].sum() == 0, "a token of zero target probability was emitted"
-    expected = joint[joint > 0] * n_req
-    observed = counts[joint > 0]
-    keep = expected >= 5
-    obs = np.append(observed[keep], observed[~keep].sum())
-    exp = np.append(expected[keep], expected[~keep].sum())
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    _, pvalue = stats.chisquare(obs, exp * obs.sum() / exp.sum())
-    assert pvalue > 1e-4, f"chi-square p-value {pvalue:.2e}"
 
 
 @pytest.mark.parametrize(

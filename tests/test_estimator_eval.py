@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from conftest import WORDS
+from tests.helpers.models import WORDS
 from specadapt.cli import main
 from specadapt.estimator.evaluation import auc, ece, evaluate_records, log_loss, read_draft_log
 

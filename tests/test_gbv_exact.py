@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from exact_law import RandomTables, gbv_law, gbv_outcomes, single_path_outcomes, target_joint
+from tests.helpers.exact_law import RandomTables, gbv_law, gbv_outcomes, single_path_outcomes, target_joint
 from specadapt.verification import block_round_law, block_verify
 from specadapt.verification.gbv import gbv_select, gbv_verify, power_sum
 

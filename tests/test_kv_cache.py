@@ -2,7 +2,7 @@
 
 import torch
 
-from conftest import tiny_llama
+from tests.helpers.models import tiny_llama
 from specadapt.engine.kv import RaggedKVCache
 
 

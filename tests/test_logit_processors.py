@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import loaded, tiny_llama
-from exact_law import gbv_outcomes, multi_round_law, single_path_outcomes
-from test_engine_tiny import assert_first_tokens_follow
+from tests.helpers.models import loaded, tiny_llama
+from tests.helpers.exact_law import gbv_outcomes, multi_round_law, single_path_outcomes
+from tests.helpers.engine import assert_first_tokens_follow
 from specadapt.engine import ModelDraft, NgramDraft, SpeculativeEngine
 from specadapt.engine import loop as loop_mod
 from specadapt.engine.drafts import self_draft
@@ -335,7 +335,7 @@ def test_engine_output_with_processors_follows_the_target_law(name, rule, kind):
 
 def test_eagle_with_processors_follows_the_target_law():
     """Reduced draft vocabulary: the head's penalties / biases are applied by target id."""
-    from test_eagle import assert_reduced_vocab_eagle_follows
+    from tests.helpers.engine import assert_reduced_vocab_eagle_follows
 
     params = SamplingParams(1.0, frequency_penalty=1.5, repetition_penalty=1.4, logit_bias={2: 1.0, 4: 2.0})
     assert_reduced_vocab_eagle_follows(params, exact_joint_processed)
@@ -443,7 +443,7 @@ def test_engine_refuses_a_bias_outside_the_vocabulary(tiny_target):
 def test_eagle_draft_rows_apply_processors_by_target_id(tiny_target, params):
     """Each round's first q row of the EAGLE draft (a reduced vocabulary) equals the transform of a fresh head
     forward with the committed history, penalties and biases looked up by target id."""
-    from test_eagle import eagle, record_first_q_rows
+    from tests.helpers.engine import eagle, record_first_q_rows
 
     subset = torch.tensor([0, 2, 3, 5, 6, 9, 12, 20])
     draft = eagle(tiny_target, params, subset=subset)

@@ -107,7 +107,7 @@ def _engine_report(target, draft, rule, limit, **kw):
 
 def test_engine_report_and_json_count_tokens_emitted_before_eos_and_the_cap():
     import torch
-    from conftest import loaded, tiny_llama
+    from tests.helpers.models import loaded, tiny_llama
 
     from specadapt.engine import ModelDraft
     from specadapt.engine.drafts import self_draft

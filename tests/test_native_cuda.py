@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import loaded, tiny_llama
-from test_engine_tiny import GREEDY, PROMPTS, naive_greedy
-from test_native_engine import native_draft
+from tests.helpers.models import loaded, tiny_llama
+from tests.helpers.engine import GREEDY, PROMPTS, naive_greedy, native_draft
 from specadapt.engine import NoDraft, SpeculativeEngine
 from specadapt.engine.models import attach_forward
 

@@ -8,40 +8,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import loaded, tiny_llama
-from test_eagle import make_head
-from test_engine_tiny import GREEDY, PROMPTS, _exact_joint, assert_first_tokens_follow, naive_greedy
+from tests.helpers.engine import (
+    GREEDY, PROMPTS, _exact_joint, assert_first_tokens_follow, naive_greedy, native_draft, native_target,
+)
+from tests.helpers.models import loaded, tiny_llama
 from specadapt import kernels
 from specadapt.budget import CostTable
 from specadapt.budget.adaptive import AdaptiveVerification
-from specadapt.engine import ModelDraft, NgramDraft, NoDraft, SpeculativeEngine
-from specadapt.engine.drafts import self_draft
-from specadapt.engine.eagle_draft import EagleDraft
+from specadapt.engine import NoDraft, SpeculativeEngine
 from specadapt.engine.models import attach_forward
 from specadapt.engine.native import NativeLlama, SlotKVCache
-from specadapt.engine.native.eagle import NativeEagleHead
 from specadapt.estimator import AcceptanceEstimator
 from specadapt.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not kernels.has_op_for("native_llama_forward", torch.device("cpu")),
                                 reason="specadapt._C built without the native kernels")
-
-
-def native_target(fmt="float32", seed=0, vocab=32, layers=2):
-    target = loaded(tiny_llama(vocab=vocab, layers=layers, seed=seed))
-    assert attach_forward(target, "native", fmt) == fmt
-    assert isinstance(target.native, NativeLlama) and target.forward_name == "native"
-    return target
-
-
-def native_draft(target, kind, params=GREEDY, seed=5, subset=None):
-    if kind == "ngram":
-        return NgramDraft()
-    if kind == "eagle":
-        head = make_head(target.model, torch.arange(0, target.vocab_size, 2) if subset is None else subset)
-        return EagleDraft(head, params, seed, native=NativeEagleHead(head, target.native))
-    module = self_draft(target, 1)
-    return ModelDraft(module, params, seed, "self:1", native=NativeLlama.from_hf(module, target.native.dtype_name))
 
 
 @pytest.mark.parametrize("rule", ["chain", "block", "gbv"])

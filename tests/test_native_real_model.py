@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from test_real_model import _prompts
+from tests.helpers.models import _prompts
 from specadapt import kernels
 from specadapt.engine import ModelDraft, NgramDraft, NoDraft, SpeculativeEngine, build_draft
 from specadapt.engine.kv import RaggedKVCache

@@ -4,7 +4,7 @@ results equal the padded forward's at every real token (logits, hidden states, l
 import pytest
 import torch
 
-from conftest import tiny_llama
+from tests.helpers.models import tiny_llama
 from specadapt.engine.kv import RaggedKVCache
 from specadapt.engine.packing import Packing, active_packing, packed_attention
 

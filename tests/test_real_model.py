@@ -3,24 +3,14 @@
 import pytest
 import torch
 
-from specadapt.datasets import load_prompts
 from specadapt.engine import ModelDraft, NgramDraft, NoDraft, SpeculativeEngine
 from specadapt.engine.drafts import self_draft
 from specadapt.engine.kv import RaggedKVCache
 from specadapt.sampling import SamplingParams
+from tests.helpers.models import _prompts
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 GREEDY = SamplingParams(temperature=0.0)
-
-
-def _prompts(model, n):
-    out = []
-    for p in load_prompts("aime24", limit=n):
-        ids = model.tokenizer.apply_chat_template(
-            [{"role": "user", "content": p.text}], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        out.append(list(ids))
-    return out
 
 
 def test_model_facts(smollm2):

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from serving import RunningServer, free_port, target_only_greedy
+from tests.helpers.serving import RunningServer, free_port, target_only_greedy
 
 pytestmark = pytest.mark.slow
 

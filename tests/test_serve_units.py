@@ -71,7 +71,7 @@ def test_position_buckets():
 def engine():
     if not kernels.has_op_for("native_llama_forward", torch.device("cpu")):
         pytest.skip("specadapt._C built without the native kernels")
-    from test_native_engine import native_target
+    from tests.helpers.engine import native_target
 
     return SpeculativeEngine(native_target("float32", vocab=40), NoDraft(), SamplingParams(0.0), 0)
 

@@ -24,6 +24,7 @@ from specadapt.sglang.state import PluginState, VerifyRuntime
 from specadapt.sglang.targets import plan_targets
 from specadapt.sglang.verify import chain_speculative_sampling, target_probs_for_requests
 from specadapt.verification import block_verify, chain_verify
+from tests.helpers.sglang import _Eagle3StandIn, _sglang_chain_inputs, distil_rounds
 
 
 def _parse(argv):
@@ -121,19 +122,6 @@ def test_plan_targets_per_algorithm():
 
 
 # ---- the sampler in SGLang's layout ---------------------------------------------------------------------------
-def _sglang_chain_inputs(batch=4, num_drafts=3, vocab=7, seed=0, base=0):
-    g = torch.Generator().manual_seed(seed)
-    slots = num_drafts + 1
-    target = torch.softmax(torch.randn(batch, slots, vocab, generator=g) * 2, -1)
-    draft = torch.softmax(torch.randn(batch, num_drafts, vocab, generator=g) * 2, -1)
-    drafts = torch.multinomial(draft.reshape(-1, vocab), 1, generator=g).reshape(batch, num_drafts)
-    candidates = torch.cat([torch.randint(vocab, (batch, 1), generator=g), drafts], 1)
-    retrive_index = base + torch.arange(batch * slots).reshape(batch, slots)
-    coins = torch.rand(batch, slots, generator=g)
-    final = torch.rand(batch, generator=g)
-    return candidates, retrive_index, coins, final, target, draft
-
-
 @pytest.mark.parametrize("rule, reference", [("chain", chain_verify), ("block", block_verify)])
 def test_replaced_sampler_matches_reference(rule, reference):
     plugin_state.install(PluginState(runtime=VerifyRuntime(rule=rule, impl="reference")))
@@ -224,44 +212,6 @@ def test_adaptive_caps_flat_cost_keep_everything_and_learn(tmp_path):
 
 
 # ---- TTS on stand-ins -----------------------------------------------------------------------------------------
-class _Eagle3StandIn(nn.Module):
-    """Parameters named and shaped as SGLang's LlamaForCausalLMEagle3 (TP = 1), plain tensors."""
-
-    def __init__(self, vocab=40, hidden=16, heads=4, kv_heads=2, inter=24, draft_vocab=12, seed=0):
-        super().__init__()
-        torch.manual_seed(seed)
-        hd = hidden // heads
-        self.config = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads, hidden_size=hidden,
-                                      head_dim=hd, rms_norm_eps=1e-6, rope_theta=10000.0)
-        m = nn.Module()
-        m.embed_tokens = nn.Embedding(vocab, hidden)
-        m.fc = nn.Linear(3 * hidden, hidden, bias=False)
-        layer = nn.Module()
-        layer.input_layernorm = _Norm(hidden)
-        layer.hidden_norm = _Norm(hidden)
-        layer.post_attention_layernorm = _Norm(hidden)
-        attn = nn.Module()
-        attn.qkv_proj = nn.Linear(2 * hidden, (heads + 2 * kv_heads) * hd, bias=False)
-        attn.o_proj = nn.Linear(heads * hd, hidden, bias=False)
-        layer.self_attn = attn
-        mlp = nn.Module()
-        mlp.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
-        mlp.down_proj = nn.Linear(inter, hidden, bias=False)
-        layer.mlp = mlp
-        m.layers = nn.ModuleList([layer])
-        m.norm = _Norm(hidden)
-        self.model = m
-        self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
-        self.hot_token_id = torch.arange(draft_vocab) * 3  # target ids of the draft vocabulary
-        self.requires_grad_(False)
-
-
-class _Norm(nn.Module):
-    def __init__(self, n):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(n))
-
-
 def _student(**kw):
     draft = _Eagle3StandIn(**kw)
     return draft, build_student(draft, draft.config)
@@ -418,20 +368,6 @@ def test_tts_topk_snapshots_densify_to_the_truncated_teacher():
     assert losses[10_000] == losses[0] and math.isfinite(losses[3]) and losses[3] != losses[0]
     with pytest.raises(PluginConfigError, match="--tts-topk"):
         PluginConfig(tts=True, tts_topk=-1)
-
-
-def distil_rounds(tts: SGLangTTS, snapshot, accepted, rounds: int) -> list[float]:
-    """``rounds`` rounds of the same verify outcome (``snapshot()`` -> a fresh snapshot, ``accepted`` per request,
-    no history carried over): the loss on each round's examples before that round's update."""
-    losses = []
-    for _ in range(rounds):
-        snap = snapshot()
-        tts.history.clear()
-        tts.record(snap, accepted)
-        with torch.no_grad():
-            losses.append(float(tts._loss(tts.updater.shadow, tts._pending)))
-        tts.on_round_start()
-    return losses
 
 
 def test_tts_updates_lower_the_loss():

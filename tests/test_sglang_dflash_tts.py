@@ -18,7 +18,7 @@ from specadapt.sglang.state import PluginState, VerifyRuntime
 from specadapt.sglang.students.dflash import DFlashStudent
 from specadapt.sglang.targets import plan_targets
 from specadapt.sglang.tts_dflash import SGLangDFlashTTS
-from test_sglang_students import with_parameters
+from tests.helpers.sglang import with_parameters
 
 HIDDEN, HEADS, KV, D, INTER, VOCAB, MASK = 16, 4, 2, 4, 24, 30, 3
 

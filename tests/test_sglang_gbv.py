@@ -344,7 +344,7 @@ def test_tts_learns_from_the_chosen_gbv_path():
     from specadapt.sglang.state import VerifyRuntime
     from specadapt.sglang.tts import SGLangTTS
     from specadapt.sglang.verify import chain_speculative_sampling
-    from test_sglang_students import _hf, _sglang_layout
+    from tests.helpers.sglang import _hf, _sglang_layout
     from specadapt.sglang.students import build_student
 
     torch.manual_seed(0)

@@ -19,7 +19,7 @@ from specadapt.sglang.state import PluginState, VerifyRuntime
 from specadapt.sglang.targets import plan_targets
 from specadapt.sglang.verify import (chain_speculative_sampling, dflash_verify, request_verify_coins, sampling_refusal,
                                      target_probs_for_requests)
-from test_sglang_adapter import _sglang_chain_inputs
+from tests.helpers.sglang import _sglang_chain_inputs
 
 
 def _outputs(batch, slots):

@@ -12,7 +12,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from specadapt.sglang.config import PluginConfig, PluginConfigError, validate_for_server
 from specadapt.sglang import state as plugin_state
@@ -20,74 +19,7 @@ from specadapt.sglang.hooks import eagle_sample_around, forward_batch_generation
 from specadapt.sglang.state import PluginState, VerifyRuntime
 from specadapt.sglang.students import DenseLMStudent, Eagle3LlamaStudent, build_student
 from specadapt.sglang.tts import SGLangTTS
-from test_sglang_adapter import distil_rounds
-
-_SMALL = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
-
-
-def _hf(family: str, tied: bool = False):
-    torch.manual_seed({"llama": 0, "qwen2": 1, "qwen3": 2}[family])
-    if family == "llama":
-        cfg = LlamaConfig(**_SMALL, tie_word_embeddings=tied)
-        model = LlamaForCausalLM(cfg)
-    elif family == "qwen2":
-        cfg = Qwen2Config(**_SMALL, tie_word_embeddings=tied)
-        model = Qwen2ForCausalLM(cfg)
-    else:
-        cfg = Qwen3Config(**_SMALL, head_dim=8, tie_word_embeddings=tied)
-        model = Qwen3ForCausalLM(cfg)
-    model.config._attn_implementation = "eager"
-    with torch.no_grad():  # non-trivial norms, so a missed norm fails the comparison
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.1)
-    return model.eval()
-
-
-_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-
-
-def _sglang_layout(hf_model, family: str) -> nn.Module:
-    """A module named and laid out as SGLang's model class (fused qkv_proj / gate_up_proj), copying hf_model."""
-    sd = hf_model.state_dict()
-    cfg = hf_model.config
-    draft = type(_ARCH[family], (nn.Module,), {})()
-    draft.config = cfg
-    params = {
-        "model.embed_tokens.weight": sd["model.embed_tokens.weight"],
-        "model.norm.weight": sd["model.norm.weight"],
-    }
-    if not cfg.tie_word_embeddings:
-        params["lm_head.weight"] = sd["lm_head.weight"]
-    for i in range(cfg.num_hidden_layers):
-        pre = f"model.layers.{i}."
-        params[pre + "input_layernorm.weight"] = sd[pre + "input_layernorm.weight"]
-        params[pre + "post_attention_layernorm.weight"] = sd[pre + "post_attention_layernorm.weight"]
-        params[pre + "self_attn.qkv_proj.weight"] = torch.cat([sd[pre + f"self_attn.{x}_proj.weight"] for x in "qkv"])
-        if pre + "self_attn.q_proj.bias" in sd:
-            params[pre + "self_attn.qkv_proj.bias"] = torch.cat([sd[pre + f"self_attn.{x}_proj.bias"] for x in "qkv"])
-        params[pre + "self_attn.o_proj.weight"] = sd[pre + "self_attn.o_proj.weight"]
-        for norm in ("q_norm", "k_norm"):
-            if pre + f"self_attn.{norm}.weight" in sd:
-                params[pre + f"self_attn.{norm}.weight"] = sd[pre + f"self_attn.{norm}.weight"]
-        params[pre + "mlp.gate_up_proj.weight"] = torch.cat([sd[pre + "mlp.gate_proj.weight"], sd[pre + "mlp.up_proj.weight"]])
-        params[pre + "mlp.down_proj.weight"] = sd[pre + "mlp.down_proj.weight"]
-    return with_parameters(draft, {name: value.clone() for name, value in params.items()})
-
-
-def with_parameters(module: nn.Module, params: dict) -> nn.Module:
-    """``module`` with frozen Parameters at the dotted names of ``params`` (sub-modules created on the way): a
-    stand-in carrying SGLang's parameter names."""
-    for name, value in params.items():
-        *path, leaf = name.split(".")
-        owner = module
-        for part in path:
-            if not hasattr(owner, part):
-                owner.add_module(part, nn.Module())
-            owner = getattr(owner, part)
-        owner.register_parameter(leaf, nn.Parameter(value, requires_grad=False))
-    return module
+from tests.helpers.sglang import _hf, _sglang_layout, distil_rounds
 
 
 def _layer(draft, i):
@@ -146,7 +78,7 @@ def test_lora_publish_merges_adapters_into_the_serving_weights(kind):
         student = build_student(draft, draft.config, "lora", 4)
         args = (None, torch.randint(50, (2, 7)), torch.ones(2, 7, dtype=torch.bool))
     else:
-        from test_sglang_adapter import _Eagle3StandIn
+        from tests.helpers.sglang import _Eagle3StandIn
 
         draft = _Eagle3StandIn()
         student = build_student(draft, draft.config, "lora", 4)

@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import loaded, tiny_llama
-from test_eagle import eagle
-from test_engine_tiny import GREEDY, PROMPTS, _exact_joint, assert_first_tokens_follow, naive_greedy
+from tests.helpers.models import loaded, tiny_llama
+from tests.helpers.engine import GREEDY, PROMPTS, _exact_joint, assert_first_tokens_follow, eagle, naive_greedy
 from specadapt.budget import CostTable, choose_budget
 from specadapt.engine import ModelDraft, SpeculativeEngine
 from specadapt.engine.loop import Request

@@ -9,9 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import loaded, tiny_llama
-from test_eagle import make_head
-from test_engine_tiny import GREEDY, PROMPTS, naive_greedy
+from tests.helpers.models import loaded, tiny_llama
+from tests.helpers.engine import GREEDY, PROMPTS, make_head, naive_greedy
 from specadapt.engine import ModelDraft, SpeculativeEngine
 from specadapt.engine.drafts import self_draft
 from specadapt.engine.eagle_draft import EagleDraft

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import tiny_llama
+from tests.helpers.models import tiny_llama
 from specadapt.engine.eagle import EagleHead, default_feature_layers
 from specadapt.tts import TTSConfig, TTSUpdater
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from test_eagle import make_head
+from tests.helpers.engine import make_head
 from specadapt.engine import ModelDraft, NgramDraft
 from specadapt.engine.drafts import NoDraft, self_draft
 from specadapt.engine.eagle_draft import EagleDraft
@@ -64,9 +64,9 @@ def test_engine_student_example_logits_cover_the_supervised_positions(tiny_targe
 
 
 def test_sglang_students_implement_the_protocol():
-    from test_sglang_adapter import _student as eagle3_student
-    from test_sglang_dflash_tts import _student as dflash_student
-    from test_sglang_students import _hf, _sglang_layout
+    from tests.test_sglang_adapter import _student as eagle3_student
+    from tests.test_sglang_dflash_tts import _student as dflash_student
+    from tests.helpers.sglang import _hf, _sglang_layout
     from specadapt.sglang.students import build_student
 
     dense_draft = _sglang_layout(_hf("llama"), "llama")

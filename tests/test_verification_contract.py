@@ -4,7 +4,7 @@ GBV shape checks, row sums of p and q, dtype / slot-0 / V = 0 checks."""
 import pytest
 import torch
 
-from batches import random_batch, tree_batch
+from tests.helpers.batches import random_batch, tree_batch
 from specadapt import kernels
 from specadapt.verification import VERIFY_RULES
 from specadapt.verification.gbv import gbv_verify as gbv_reference

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from exact_law import RandomTables, chi_square_pvalue, sample_path_batch, single_path_outcomes, speculative_law, target_joint
+from tests.helpers.exact_law import RandomTables, chi_square_pvalue, sample_path_batch, single_path_outcomes, speculative_law, target_joint
 from specadapt.verification import ROUND_LAWS, VERIFY_RULES, block_round_law, chain_round_law
 
 CASES = [(3, 1), (3, 2), (3, 3), (4, 2), (5, 1), (6, 1)]

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from batches import random_batch, tree_batch
+from tests.helpers.batches import random_batch, tree_batch
 
 from specadapt import cuda_jit, kernels
 from specadapt.verification import ROUND_LAWS, VERIFY_RULES

@@ -11,8 +11,8 @@ import pytest
 import torch
 from scipy import stats
 
-from batches import random_batch as _random_batch, tree_batch as _tree_batch
-from exact_law import Float32Tables, chi_square_pvalue, gbv_outcomes, sample_path_batch, single_path_outcomes
+from tests.helpers.batches import random_batch as _random_batch, tree_batch as _tree_batch
+from tests.helpers.exact_law import Float32Tables, chi_square_pvalue, gbv_outcomes, sample_path_batch, single_path_outcomes
 from specadapt import kernels
 from specadapt.verification import ROUND_LAWS, VERIFY_RULES
 from specadapt.verification.gbv import gbv_verify as gbv_reference

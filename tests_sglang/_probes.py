@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+# The repository root, so the shared helpers import by qualified name (tests.helpers.sglang).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def discovery():
@@ -43,7 +44,7 @@ def install(algorithm, verify, adaptive):
 
     def runs_ours(fn):
         """Call ``fn`` in SGLang's layout; True when the specadapt sampler served the call."""
-        from test_sglang_adapter import _sglang_chain_inputs
+        from tests.helpers.sglang import _sglang_chain_inputs
 
         cand, ridx, coins, final, target, draft = _sglang_chain_inputs(seed=0, vocab=7)
         batch, slots = cand.shape
@@ -98,7 +99,7 @@ def triton_compare(num_seeds):
     """SGLang's own Triton chain / block kernel (TRITON_INTERPRET=1 on CPU) against the replacement."""
     import torch
     from sglang.kernels.ops.speculative.reject_sampling import chain_speculative_sampling_triton as sglang_kernel
-    from test_sglang_adapter import _sglang_chain_inputs
+    from tests.helpers.sglang import _sglang_chain_inputs
 
     from specadapt.sglang import state as plugin_state
     from specadapt.sglang.state import PluginState, VerifyRuntime
@@ -141,7 +142,7 @@ def seeded_verify(num_seeds):
     import triton
     from sglang.kernels.ops.sampling import murmur_hash
     from sglang.srt.speculative.eagle_utils import _verify_coins
-    from test_sglang_adapter import _sglang_chain_inputs
+    from tests.helpers.sglang import _sglang_chain_inputs
 
     def interpreted_hash(seed, positions, col_indices):
         """SGLang's own murmur-hash Triton kernel, interpreted on CPU tensors (its CPU branch calls sgl_kernel's
@@ -580,7 +581,7 @@ def tp_rank(rank, port):
     require_loaded(eagle)
     student = build_student(eagle, eagle.config, "full", tp=tp)
     from torch import nn
-    from test_sglang_students import with_parameters
+    from tests.helpers.sglang import with_parameters
 
     ref_draft = with_parameters(type("LlamaForCausalLMEagle3", (nn.Module,), {})(),
                                 {name: value.clone() for name, value in full.items()})

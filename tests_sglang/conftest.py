@@ -8,13 +8,12 @@ without it the tests are skipped.
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+# The helpers' asserts report their operands like the tests' own (must run before the helpers are imported).
+pytest.register_assert_rewrite("tests.helpers", "tests_sglang.helpers")
 
 EXPECTED_VERSION = "0.5.23"
 

@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from test_sglang_plugin import SERVER_ARGS_ATTR, _args, _probe
+from specadapt.sglang.plugin import SERVER_ARGS_ATTR
+from tests_sglang.helpers import _args, _probe
 
 
 @pytest.mark.parametrize("num_paths, num_steps, hot", [(3, 4, "0"), (2, 2, "0"), (3, 3, "1")])

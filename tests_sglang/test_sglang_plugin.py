@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import pickle
 import pkgutil
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -19,21 +17,7 @@ import torch
 from specadapt.sglang.config import ENV_CONFIG, PluginConfigError
 from specadapt.sglang.plugin import LIGHT_TARGETS, SERVER_ARGS_ATTR
 from specadapt.sglang.targets import HOOK_TARGETS
-
-PROBES = Path(__file__).resolve().parent / "_probes.py"
-
-
-def _probe(*args, env=None, timeout=600):
-    proc = subprocess.run([sys.executable, str(PROBES), *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def _args(tiny_models, *extra, algorithm="EAGLE3"):
-    draft = tiny_models["eagle3"] if algorithm == "EAGLE3" else tiny_models["target"]
-    return ["--model-path", tiny_models["target"], "--speculative-algorithm", algorithm,
-            "--speculative-draft-model-path", draft, "--device", "cuda", "--skip-tokenizer-init", *extra]
+from tests_sglang.helpers import _args, _probe
 
 
 # ---- discovery, flags ----------------------------------------------------------------------------------------

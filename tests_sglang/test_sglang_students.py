@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_sglang_plugin import _probe
+from tests_sglang.helpers import _probe
 
 
 @pytest.fixture(scope="module")
