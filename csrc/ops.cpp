@@ -20,16 +20,19 @@ TORCH_LIBRARY(specadapt, m) {
   // Single-path verification rules (specs/verification.md sections 1, 2 and 4). candidates [B, L+1] int64,
   // target_probs [B, L+1, V] and draft_probs [B, L, V] float32/bfloat16, uniforms [B, L], uniforms_final [B],
   // optional num_draft_tokens [B] -> (accept_len [B] int32, output_tokens [B, L+1] int32, padded with -1).
+  // error: optional [>= 1] int32 flag the CUDA kernels OR their error bits into (csrc/cuda/errors.cuh; read by
+  // specadapt.kernel_errors, no host sync); the CPU kernels raise those conditions directly and ignore it.
   m.def("chain_verify(Tensor candidates, Tensor target_probs, Tensor draft_probs, Tensor uniforms, "
-        "Tensor uniforms_final, Tensor? num_draft_tokens=None) -> (Tensor, Tensor)");
+        "Tensor uniforms_final, Tensor? num_draft_tokens=None, Tensor(a!)? error=None) -> (Tensor, Tensor)");
   m.def("block_verify(Tensor candidates, Tensor target_probs, Tensor draft_probs, Tensor uniforms, "
-        "Tensor uniforms_final, Tensor? num_draft_tokens=None) -> (Tensor, Tensor)");
+        "Tensor uniforms_final, Tensor? num_draft_tokens=None, Tensor(a!)? error=None) -> (Tensor, Tensor)");
   // Greedy multi-path block verification (section 3): candidates [B, K, L+1], target_probs [B, K, L+1, V],
   // draft_probs [B, K, L, V], uniforms [B, L], uniforms_final [B]
   // -> (accept_len [B] int32, output_tokens [B, L+1] int32, chosen_path [B] int32).
   // IRLS statistics of the acceptance estimator (specs/adaptive_verification.md section 4): features [B, K],
   // predictions [B, K], accepted [B], verified [B] -> [K, 6] float64 (a, b, c, g0, g1, n).
   m.def("irls_accumulate(Tensor features, Tensor predictions, Tensor accepted, Tensor verified) -> Tensor");
+  // error: as for chain_verify.
   m.def("gbv_verify(Tensor candidates, Tensor target_probs, Tensor draft_probs, Tensor uniforms, "
-        "Tensor uniforms_final) -> (Tensor, Tensor, Tensor)");
+        "Tensor uniforms_final, Tensor(a!)? error=None) -> (Tensor, Tensor, Tensor)");
 }

@@ -13,6 +13,7 @@ import torch
 from specadapt import kernels
 from specadapt.bench import baselines as bl
 from specadapt.bench import kernels as bk
+from specadapt.sglang import baselines as sgl
 from specadapt.cli import main
 
 CPU = torch.device("cpu")
@@ -89,7 +90,7 @@ def test_flashinfer_old_signature_gets_our_coins():
 def test_sglang_arguments_from_our_inputs(op):
     inputs = _inputs(op)
     cand, p, q, u, uf = inputs
-    kw = bl.sglang_triton_kwargs(op, fake_sglang, inputs)
+    kw = sgl.triton_chain_kwargs(op, fake_sglang, inputs)
     fake_sglang(**kw)  # every argument is accepted by the real signature
     got = fake_sglang.calls[0]
     S = L + 1
@@ -112,10 +113,10 @@ def test_sglang_arguments_from_our_inputs(op):
 
 def test_sglang_block_needs_the_switch():
     with pytest.raises(ValueError, match="block_verification"):
-        bl.sglang_triton_kwargs("block", fake_sglang_no_block, _inputs("block"))
-    assert "block_verification" not in bl.sglang_triton_kwargs("chain", fake_sglang_no_block, _inputs())
+        sgl.triton_chain_kwargs("block", fake_sglang_no_block, _inputs("block"))
+    assert "block_verification" not in sgl.triton_chain_kwargs("chain", fake_sglang_no_block, _inputs())
     with pytest.raises(ValueError):
-        bl.sglang_triton_kwargs("gbv", fake_sglang, _inputs())
+        sgl.triton_chain_kwargs("gbv", fake_sglang, _inputs())
 
 
 def test_prepared_call_passes_the_built_arguments():
@@ -154,17 +155,17 @@ def test_real_baselines_are_never_used_on_cpu():
 
 
 def test_sglang_loader_reason_names_the_env_var(monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, bl.SGLANG_MODULE, None)  # import raises ImportError
-    monkeypatch.delenv(bl.SGLANG_FILE_ENV, raising=False)
-    with pytest.raises(ImportError, match=bl.SGLANG_FILE_ENV):
-        bl._load_sglang()
-    monkeypatch.setenv(bl.SGLANG_FILE_ENV, str(tmp_path / "absent.py"))
+    monkeypatch.setitem(sys.modules, sgl.SGLANG_MODULE, None)  # import raises ImportError
+    monkeypatch.delenv(sgl.SGLANG_FILE_ENV, raising=False)
+    with pytest.raises(ImportError, match=sgl.SGLANG_FILE_ENV):
+        sgl.load_triton_chain()
+    monkeypatch.setenv(sgl.SGLANG_FILE_ENV, str(tmp_path / "absent.py"))
     with pytest.raises(ImportError, match="no such file"):
-        bl._load_sglang()
+        sgl.load_triton_chain()
     f = tmp_path / "reject_sampling.py"
     f.write_text("def chain_speculative_sampling_triton(*a, **k):\n    return 'from file'\n")
-    monkeypatch.setenv(bl.SGLANG_FILE_ENV, str(f))
-    fn, ver = bl._load_sglang()
+    monkeypatch.setenv(sgl.SGLANG_FILE_ENV, str(f))
+    fn, ver = sgl.load_triton_chain()
     assert fn() == "from file" and str(f) in ver
 
 
@@ -188,7 +189,7 @@ needs_cpu_ops = pytest.mark.skipif(not kernels.has_op_for("block_verify", CPU), 
 @pytest.fixture
 def fake_registry(monkeypatch):
     """A CPU-capable fake baseline for chain and block, and the real ones (skipped on CPU)."""
-    fake = bl.Baseline("fake_sglang", ("chain", "block"), lambda: (fake_sglang, "fake 0"), bl.sglang_triton_kwargs,
+    fake = bl.Baseline("fake_sglang", ("chain", "block"), lambda: (fake_sglang, "fake 0"), sgl.triton_chain_kwargs,
                        devices=("cpu",))
     monkeypatch.setattr(bl, "BASELINES", {**bl.BASELINES, "fake_sglang": fake})
     monkeypatch.setattr(bk, "copy_bandwidth_gbps", lambda device: 10.0)
@@ -249,3 +250,18 @@ def test_cli_prints_status_and_writes_field(fake_registry, monkeypatch, tmp_path
     assert "fake_sglang" in text.splitlines()[-2]  # the chain row shows the baseline
     data = json.loads(out.read_text())
     assert [c["op"] for c in data["cases"]] == ["chain"] and "fake_sglang" in data["cases"][0]["baselines"]
+
+
+def test_bench_baselines_module_never_touches_sglang():
+    """The sglang-facing baseline code lives under specadapt/sglang (issue 17): the bench module neither imports
+    sglang nor names its modules."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(bl))
+    imported = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+    imported += [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 0]
+    assert not [m for m in imported if m.split(".")[0] in ("sglang", "triton")]
+    strings = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    assert not [v for v in strings if v.startswith("sglang.")]
+    assert bl.BASELINES["sglang_triton"].load is sgl.load_triton_chain

@@ -145,7 +145,7 @@ def test_cupy_jit_gbv_equals_cpu(dtype, B, K, L, V):
 @needs_compiled
 @pytest.mark.parametrize("B,K", [(1, 1), (37, 5), (1000, 7)])
 def test_cuda_irls_accumulate_equals_reference(B, K):
-    from specadapt.estimator.irls import irls_accumulate_reference
+    from specadapt.estimator.irls import irls_accumulate, irls_accumulate_reference
 
     gen = torch.Generator().manual_seed(B + K)
     features = torch.randn(B, K, generator=gen, dtype=torch.float64) * 3
@@ -154,7 +154,7 @@ def test_cuda_irls_accumulate_equals_reference(B, K):
     verified = torch.randint(0, K + 1, (B,), generator=gen)
     accepted = torch.minimum(torch.randint(0, K + 1, (B,), generator=gen), verified)
     expected = irls_accumulate_reference(features, predictions, accepted, verified)
-    got = kernels.irls_accumulate(features.cuda(), predictions.cuda(), accepted.cuda(), verified.cuda())
+    got = irls_accumulate(features.cuda(), predictions.cuda(), accepted.cuda(), verified.cuda())
     assert got.device.type == "cuda"
     torch.testing.assert_close(got.cpu(), expected, rtol=1e-12, atol=1e-9)
 
@@ -192,3 +192,36 @@ def test_cuda_rows_that_do_not_sum_to_one_give_minus_one(dtype):
         got = kernels.gbv_verify(*(t.cuda() for t in (cand, p, q, u, uf)), impl=impl)
         assert torch.equal(got.output_tokens[0].cpu(), ref0.output_tokens[0]), impl
         assert int(got.output_tokens[1, int(got.accept_len[1])]) == -1, impl
+
+
+@pytest.mark.skipif(not (CUDA_OPS or JIT), reason="needs a CUDA device with specadapt._C built with CUDA or CuPy")
+def test_cuda_device_errors_are_read_on_demand_and_in_debug_mode():
+    """Issue 17: the flag the kernels set for an off row reaches kernels.check_device_errors (naming the kernel and
+    the bit), is reset by the read, and raises right after the launch in debug mode; clean launches set nothing."""
+    from specadapt import kernel_errors
+
+    B, L, V = 4, 3, 1000
+    cand, p, q, u, uf = _batch(B, L, V, 7, torch.float32)
+    bad = p.clone()
+    bad[0, 2] *= 1.05
+    try:
+        for impl in _device_impls():
+            for rule in ("chain", "block"):
+                kernels.check_device_errors()  # start clean
+                kernels.verify(rule, *(t.cuda() for t in (cand, p, q, u, uf)), impl=impl)
+                kernels.check_device_errors()
+                kernels.verify(rule, *(t.cuda() for t in (cand, bad, q, u, uf)), impl=impl)
+                with pytest.raises(RuntimeError, match=rf"specadapt::{rule}_verify on cuda.*kErrorRowSum"):
+                    kernels.check_device_errors()
+                kernels.check_device_errors()  # reset by the read
+                kernels.set_debug(True)
+                with pytest.raises(kernel_errors.DeviceKernelError, match=f"{rule}_verify_kernel"):
+                    kernels.verify(rule, *(t.cuda() for t in (cand, bad, q, u, uf)), impl=impl)
+                kernels.set_debug(None)
+            tcand, tp, tq, tu, tuf = tree_batch(2, 2, 2, 500, 3, torch.float32)
+            tp[1, :, 0] *= 1.5
+            kernels.gbv_verify(*(t.cuda() for t in (tcand, tp, tq, tu, tuf)), impl=impl)
+            with pytest.raises(RuntimeError, match=r"gbv_verify on cuda.*kErrorRowSum.*gbv_sample_kernel"):
+                kernels.check_device_errors()
+    finally:
+        kernels.set_debug(None)

@@ -110,3 +110,54 @@ def test_fast_append_matches_the_concatenating_cache():
                 kv.truncate(kv.lengths - torch.tensor([2, 1]))
     for slow, fast in zip(outs[False], outs[True]):
         assert torch.allclose(slow, fast, atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_query_sdpa_is_an_argument_of_the_call_not_the_environment(monkeypatch):
+    """kv.forward runs grouped-query SDPA (no repeat_kv copy) without writing os.environ (issue 17: the variable
+    it used to set around each call leaked into the TTS trainer thread), restores the model's attention
+    implementation, and the switch is invisible to other threads."""
+    import os
+    import threading
+
+    from specadapt.engine import sdpa_gqa
+
+    class RecordingEnviron(dict):
+        writes: list = []
+
+        def __setitem__(self, key, value):
+            self.writes.append(("set", key))
+            super().__setitem__(key, value)
+
+        def __delitem__(self, key):
+            self.writes.append(("del", key))
+            super().__delitem__(key)
+
+        def pop(self, key, *default):
+            self.writes.append(("pop", key))
+            return super().pop(key, *default)
+
+    env = RecordingEnviron(os.environ)
+    monkeypatch.setattr(os, "environ", env)
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, **kwargs):
+        calls.append((query.shape[1], key.shape[1], kwargs.get("enable_gqa", False), kwargs.get("attn_mask") is None))
+        return sdpa(query, key, value, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    model = tiny_llama(vocab=32, layers=2)
+    assert model.config._attn_implementation == "sdpa"
+    kv = RaggedKVCache(model, 2)
+    kv.forward(torch.randint(32, (2, 5)), torch.tensor([5, 3]))
+    kv.forward(torch.randint(32, (2, 2)), torch.tensor([1, 2]))
+    assert env.writes == []
+    assert calls and all(c == (4, 2, True, False) for c in calls)  # 4 query heads on 2 key/value heads, masked
+    assert model.config._attn_implementation == "sdpa"
+    seen = []
+    with sdpa_gqa.grouped_query():
+        worker = threading.Thread(target=lambda: seen.append(sdpa_gqa._FORCE.get()))
+        worker.start()
+        worker.join()
+        seen.append(sdpa_gqa._FORCE.get())
+    assert seen == [False, True] and not sdpa_gqa._FORCE.get()

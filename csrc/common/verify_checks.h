@@ -80,4 +80,17 @@ inline void check_gbv_args(const at::Tensor& candidates, const at::Tensor& targe
               "candidates, target_probs, draft_probs, uniforms and uniforms_final must be on one device");
 }
 
+// The device error flag of a CUDA launch (csrc/cuda/errors.cuh): the caller's `error` ([>= 1] int32 on the device
+// of `like`; the kernels OR bits into its first element) or, without one, a scratch flag nobody reads.
+inline at::Tensor error_flag_or_scratch(const c10::optional<at::Tensor>& error, const at::Tensor& like) {
+  if (error.has_value() && error->defined()) {
+    TORCH_CHECK(error->scalar_type() == at::kInt && error->numel() >= 1,
+                "error must be an int32 tensor with at least one element, got ", error->scalar_type(), " ",
+                error->sizes());
+    TORCH_CHECK(error->device() == like.device(), "error must be on ", like.device(), ", got ", error->device());
+    return *error;
+  }
+  return at::zeros({1}, like.options().dtype(at::kInt));
+}
+
 }  // namespace specadapt

@@ -108,7 +108,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gbv_verify_cpu(const at::Tensor& 
                                                               const at::Tensor& target_probs,
                                                               const at::Tensor& draft_probs,
                                                               const at::Tensor& uniforms,
-                                                              const at::Tensor& uniforms_final) {
+                                                              const at::Tensor& uniforms_final,
+                                                              const c10::optional<at::Tensor>& /*error: raises*/) {
   check_gbv_args(candidates, target_probs, draft_probs, uniforms, uniforms_final);
   const int64_t B = candidates.size(0), K = candidates.size(1), L = candidates.size(2) - 1, V = target_probs.size(3);
   const auto cand = candidates.to(at::kLong).contiguous();

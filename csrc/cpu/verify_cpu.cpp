@@ -124,7 +124,8 @@ template <bool kBlock>
 std::tuple<at::Tensor, at::Tensor> verify_cpu(const at::Tensor& candidates, const at::Tensor& target_probs,
                                               const at::Tensor& draft_probs, const at::Tensor& uniforms,
                                               const at::Tensor& uniforms_final,
-                                              const c10::optional<at::Tensor>& num_draft_tokens) {
+                                              const c10::optional<at::Tensor>& num_draft_tokens,
+                                              const c10::optional<at::Tensor>& /*error: the CPU path raises*/) {
   const Views v = prepare(candidates, target_probs, draft_probs, uniforms, uniforms_final, num_draft_tokens);
   auto [accept_len, output_tokens] = make_outputs(v);
   int32_t* acc = accept_len.data_ptr<int32_t>();

@@ -1,7 +1,8 @@
 // Thin torch binding of the CUDA GBV kernels in gbv.cuh: the per-depth ranking of the vocabulary is a CUB
 // segmented radix sort (stable, one segment per request), everything else is in the header. No host
 // synchronisation (token ids and coins are not range-checked on the device, as for chain / block; a walked row of
-// p or q that does not sum to 1 gives -1 as the extra token, see gbv_sample_kernel).
+// p or q that does not sum to 1 gives -1 as the extra token, see gbv_sample_kernel; the error bits go to the
+// caller's flag, csrc/cuda/errors.cuh).
 // Workspace: O(B * V) doubles and ints per call, reused across the L + 1 depth passes.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -105,7 +106,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gbv_verify_cuda(const at::Tensor&
                                                                const at::Tensor& target_probs,
                                                                const at::Tensor& draft_probs,
                                                                const at::Tensor& uniforms,
-                                                               const at::Tensor& uniforms_final) {
+                                                               const at::Tensor& uniforms_final,
+                                                               const c10::optional<at::Tensor>& error_flag) {
   check_gbv_args(candidates, target_probs, draft_probs, uniforms, uniforms_final);
   const int64_t B = candidates.size(0), K = candidates.size(1), L = candidates.size(2) - 1, V = target_probs.size(3);
   TORCH_CHECK(K <= kMaxPaths, "the CUDA GBV kernel supports at most ", kMaxPaths, " paths, got K = ", K);
@@ -122,7 +124,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gbv_verify_cuda(const at::Tensor&
   auto accept_len = at::zeros({B}, opts);
   auto output_tokens = at::full({B, L + 1}, -1, opts);
   auto chosen = at::zeros({B}, opts);
-  auto error = at::zeros({1}, opts);
+  auto error = error_flag_or_scratch(error_flag, candidates);  // read by specadapt.kernel_errors, not here
   if (B == 0) return {accept_len, output_tokens, chosen};
   if (p.scalar_type() == at::kFloat) {
     launch<float>(cand, p, q, u, uf, accept_len, output_tokens, chosen, error, B, K, L, V);

@@ -58,7 +58,7 @@ __device__ __forceinline__ int64_t gbv_q_row(int64_t b, int64_t k, int64_t d, in
 // walked prefix; the path it reaches is the lowest-index consistent path. node_path[b, d] records the path whose
 // rows stand for the depth-d node (the lowest consistent index, as in the reference: rows of merged prefixes
 // repeat, but a draft need not reproduce them bit for bit). Writes chosen_path[b] and node_path [B, L]; sets
-// error bit 2 when a walked child has q = 0 (not a sample from q; the device path does not raise).
+// kErrorZeroDraftProb (errors.cuh) when a walked child has q = 0 (not a sample from q; the device path does not raise).
 // kMaxPaths bounds K (consistency flags in registers of thread 0).
 template <typename T, int kMaxPaths = 32>
 __global__ void gbv_walk_kernel(const T* __restrict__ target_probs, const T* __restrict__ draft_probs,
@@ -87,7 +87,7 @@ __global__ void gbv_walk_kernel(const T* __restrict__ target_probs, const T* __r
         child_ratio = rx;
       }
     }
-    if (!(prob(q[child]) > 0.0)) atomicOr(error, 2);
+    if (!(prob(q[child]) > 0.0)) report_error(error, kErrorZeroDraftProb);
     for (int64_t k = 0; k < K; ++k) consistent[k] = consistent[k] && cand[k * (L + 1) + d + 1] == child;
   }
   int64_t chosen = 0;
@@ -244,9 +244,9 @@ __device__ int64_t block_inverse_cdf(F weight, double mass, double u, int64_t V,
 
 // 4b. The extra token: at depth tau < L, the residual max(w_tau p - q_G, 0) of the chosen path's node (c_u from
 // sorted_ids, r[b, tau]); a zero-mass residual, or tau = L, samples p itself. Writes output_tokens[b, tau] and
-// sets error bit 1 when p has no mass. First checks the rows the output depends on -- the chosen path's p rows
+// sets kErrorNoTargetMass when p has no mass. First checks the rows the output depends on -- the chosen path's p rows
 // 0..L and the walked nodes' q rows 0..L-1 -- sum to 1 (row_sum_tolerance, verify.cuh); an off row gives -1 as
-// the extra token (the device path cannot raise) and sets error bit 4.
+// the extra token (the device path cannot raise) and sets kErrorRowSum.
 template <typename T>
 __global__ void gbv_sample_kernel(const T* __restrict__ target_probs, const T* __restrict__ draft_probs,
                                   const int32_t* __restrict__ chosen_path, const int32_t* __restrict__ node_path,
@@ -299,8 +299,8 @@ __global__ void gbv_sample_kernel(const T* __restrict__ target_probs, const T* _
     }
   }
   if (threadIdx.x == 0) {
-    if (!rows_ok) atomicOr(error, 4);
-    if (extra < 0) atomicOr(error, 1);
+    if (!rows_ok) report_error(error, kErrorRowSum);
+    if (extra < 0 && rows_ok) report_error(error, kErrorNoTargetMass);
     output_tokens[b * (L + 1) + tau] = static_cast<int32_t>(extra);
   }
 }

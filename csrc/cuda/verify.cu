@@ -1,7 +1,8 @@
 // Thin torch binding of the CUDA chain / block verification kernels in verify.cuh.
 // No host synchronisation: token ids and coins are not range-checked on the device path (the CPU path and
 // the Python reference do check them); a target row without mass, or a row of p or q that does not sum to 1
-// (row_sum_tolerance in verify.cuh), yields -1 as the extra token.
+// (row_sum_tolerance in verify.cuh), yields -1 as the extra token and sets a bit of the caller's error flag
+// (csrc/cuda/errors.cuh; specadapt.kernel_errors reads it on demand, never on this path).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -23,7 +24,8 @@ template <bool kBlock>
 std::tuple<at::Tensor, at::Tensor> verify_cuda(const at::Tensor& candidates, const at::Tensor& target_probs,
                                                const at::Tensor& draft_probs, const at::Tensor& uniforms,
                                                const at::Tensor& uniforms_final,
-                                               const c10::optional<at::Tensor>& num_draft_tokens) {
+                                               const c10::optional<at::Tensor>& num_draft_tokens,
+                                               const c10::optional<at::Tensor>& error_flag) {
   check_verify_args(candidates, target_probs, draft_probs, uniforms, uniforms_final, num_draft_tokens);
   const int64_t B = candidates.size(0), L = candidates.size(1) - 1, V = target_probs.size(2);
   TORCH_CHECK(L <= kMaxDrafts, "the CUDA kernels support at most ", kMaxDrafts, " draft tokens, got L = ", L);
@@ -38,7 +40,7 @@ std::tuple<at::Tensor, at::Tensor> verify_cuda(const at::Tensor& candidates, con
   auto opts = candidates.options().dtype(at::kInt);
   auto accept_len = at::zeros({B}, opts);
   auto output_tokens = at::full({B, L + 1}, -1, opts);
-  auto error = at::zeros({1}, opts);
+  auto error = error_flag_or_scratch(error_flag, candidates);  // read by specadapt.kernel_errors, not here
   if (B == 0) return {accept_len, output_tokens};
   const int64_t* cp = cand.data_ptr<int64_t>();
   const double* up = u.data_ptr<double>();

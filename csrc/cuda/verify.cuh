@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include "errors.cuh"
 #include "stdint.cuh"
 
 namespace specadapt {
@@ -202,7 +203,8 @@ __device__ int64_t block_sample_residual(const T* p, const T* q, double w, doubl
 // candidates [B, L+1] int64, target_probs [B, L+1, V], draft_probs [B, L, V],
 // uniforms [B, L] double, uniforms_final [B] double, num_draft_tokens [B] int64 or null;
 // outputs accept_len [B] int32, output_tokens [B, L+1] int32 (pre-filled with -1 by the caller),
-// error [1] int32 set to 1 when a target row has no mass or a row does not sum to 1 (extra token -1 then).
+// error [1] int32 (or null): kErrorRowSum (errors.cuh) when a row does not sum to 1, else kErrorNoTargetMass when
+// the target row of the extra token has no mass (extra token -1 in both cases).
 struct VerifyArgs {
   const int64_t* candidates;
   const double* uniforms;
@@ -222,11 +224,16 @@ __device__ __forceinline__ int64_t live_drafts(const VerifyArgs& a, int64_t b) {
   return n < 0 ? 0 : (n > a.num_drafts ? a.num_drafts : n);
 }
 
-// Thread 0 of request b: accept_len, the accepted drafts, then the extra token (-1 flags a massless row).
+// Thread 0 of request b: accept_len, the accepted drafts, then the extra token (-1 flags an off or massless row,
+// reported in the error flag).
 __device__ __forceinline__ void write_outputs(const VerifyArgs& a, int64_t b, const int64_t* cand, int64_t tau,
-                                              int64_t extra) {
+                                              int64_t extra, bool rows_ok) {
   const int64_t L = a.num_drafts;
-  if (extra < 0) *a.error = 1;
+  if (!rows_ok) {
+    report_error(a.error, kErrorRowSum);
+  } else if (extra < 0) {
+    report_error(a.error, kErrorNoTargetMass);
+  }
   a.accept_len[b] = static_cast<int32_t>(tau);
   for (int64_t i = 0; i < tau; ++i) a.output_tokens[b * (L + 1) + i] = static_cast<int32_t>(cand[i + 1]);
   a.output_tokens[b * (L + 1) + tau] = static_cast<int32_t>(extra);
@@ -272,7 +279,7 @@ __global__ void chain_verify_kernel(const T* __restrict__ target_probs, const T*
   const int64_t extra = rows_ok ? block_sample_residual<T>(p + tau * V, tau < n ? q + tau * V : nullptr, 1.0,
                                                            a.uniforms_final[b], V, scratch, &shared_index)
                                 : -1;
-  if (threadIdx.x == 0) write_outputs(a, b, cand, tau, extra);
+  if (threadIdx.x == 0) write_outputs(a, b, cand, tau, extra, rows_ok);
 }
 
 // Block verification. kMaxDrafts bounds L (path weights live in shared memory).
@@ -348,7 +355,7 @@ __global__ void block_verify_kernel(const T* __restrict__ target_probs, const T*
                                                            weights[tau], a.uniforms_final[b], V, scratch,
                                                            &shared_index)
                                 : -1;
-  if (threadIdx.x == 0) write_outputs(a, b, cand, tau, extra);
+  if (threadIdx.x == 0) write_outputs(a, b, cand, tau, extra, rows_ok);
 }
 
 }  // namespace cuda

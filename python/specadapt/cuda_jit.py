@@ -198,12 +198,28 @@ def _launch(kernel, grid, block, args, device: torch.device) -> None:
         kernel(grid, block, args)
 
 
-def verify(rule, candidates, target_probs, draft_probs, uniforms, uniforms_final, num_draft_tokens=None):
+def _error_flag(error: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The caller's error flag, checked (``[>= 1] int32`` on ``device``), or a zeroed scratch one."""
+    if error is None:
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    if not isinstance(error, torch.Tensor) or error.dtype != torch.int32 or error.numel() < 1 \
+            or error.device != device:
+        raise ValueError(f"error must be an int32 tensor with at least one element on {device}, got "
+                         f"{getattr(error, 'dtype', type(error).__name__)} {tuple(getattr(error, 'shape', ()))} "
+                         f"on {getattr(error, 'device', '?')}")
+    return error
+
+
+def verify(rule, candidates, target_probs, draft_probs, uniforms, uniforms_final, num_draft_tokens=None,
+           error=None):
     """Single-path verification (``chain`` / ``block``: the rule's one JIT kernel) through the JIT-compiled
     headers; contract of :func:`specadapt.kernels.verify` (CUDA tensors, probabilities float32 / bfloat16, L <= 64).
 
-    Returns ``(accept_len [B] int32, output_tokens [B, L+1] int32)``. Raises ValueError for L > 64 or a rule that
-    is not a registered single-path rule.
+    ``error``: the ``[>= 1] int32`` device flag the kernel ORs its error bits into (``csrc/cuda/errors.cuh``;
+    :func:`specadapt.kernel_errors.flag`), or ``None`` for a scratch flag nobody reads.
+
+    Returns ``(accept_len [B] int32, output_tokens [B, L+1] int32)``. Raises ValueError for L > 64, a rule that
+    is not a registered single-path rule, or a bad flag.
     """
     import numpy as np
 
@@ -221,7 +237,7 @@ def verify(rule, candidates, target_probs, draft_probs, uniforms, uniforms_final
     n = num_draft_tokens.to(torch.int64).contiguous() if num_draft_tokens is not None else None
     accept_len = torch.zeros(B, dtype=torch.int32, device=dev)
     output_tokens = torch.full((B, L + 1), -1, dtype=torch.int32, device=dev)
-    error = torch.zeros(1, dtype=torch.int32, device=dev)
+    error = _error_flag(error, dev)
     if B:
         args = (_ptr(p), _ptr(q), _ptr(cand), _ptr(u), _ptr(uf), _ptr(n), _ptr(accept_len), _ptr(output_tokens),
                 _ptr(error), np.int64(L), np.int64(V))
@@ -229,12 +245,14 @@ def verify(rule, candidates, target_probs, draft_probs, uniforms, uniforms_final
     return accept_len, output_tokens
 
 
-def gbv_verify(candidates, target_probs, draft_probs, uniforms, uniforms_final):
+def gbv_verify(candidates, target_probs, draft_probs, uniforms, uniforms_final, error=None):
     """GBV through the JIT-compiled headers (the pipeline of ``csrc/cuda/gbv.cu``, with a stable ``torch.sort``
     per depth for the ranking); contract of :func:`specadapt.kernels.verify_paths` on CUDA tensors, K <= 32. The
     host pipeline of the ``gbv`` rule (named like its op, ``gbv_verify``, as the registry says).
+    ``error``: as for :func:`verify` (set by the walk and sample kernels).
 
-    Returns ``(accept_len [B], output_tokens [B, L+1], chosen_path [B])`` int32. Raises ValueError for K > 32.
+    Returns ``(accept_len [B], output_tokens [B, L+1], chosen_path [B])`` int32. Raises ValueError for K > 32 or
+    a bad flag.
     """
     import numpy as np
 
@@ -253,7 +271,7 @@ def gbv_verify(candidates, target_probs, draft_probs, uniforms, uniforms_final):
     output_tokens = torch.full((B, L + 1), -1, **i32)
     if B == 0:
         return accept_len, output_tokens, chosen
-    error = torch.zeros(1, **i32)
+    error = _error_flag(error, dev)
     keys, ids, cum = torch.empty(B, V, **f64), torch.empty(B, V, **i32), torch.empty(B, V, **f64)
     r, weights = torch.zeros(B, L + 1, **f64), torch.ones(B, L + 1, **f64)
     residual_mass = torch.zeros(B, max(L, 1), **f64)

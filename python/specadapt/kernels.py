@@ -5,6 +5,11 @@ it, registers the fake (meta) implementations used by ``torch.compile`` and ``to
 exposes Python functions that dispatch to the compiled op when it exists for the tensors' device, on CUDA to
 the CuPy (NVRTC) JIT of the same headers when the extension was built without CUDA, and to the float64
 reference otherwise, saying so once in the log (never silently): :func:`choose_implementation`.
+
+CUDA launches report device-side failures through error flags (:mod:`specadapt.kernel_errors`), read without a
+sync on the launch path: :func:`check_device_errors` on demand, or after every launch in debug mode
+(:func:`set_debug`, ``SPECADAPT_DEBUG_KERNELS=1``). The IRLS op's wrapper lives with its reference in
+:mod:`specadapt.estimator.irls` (the estimator depends on this module, not the reverse).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import logging
 
 import torch
 
+from . import kernel_errors
+from .kernel_errors import check_device_errors, set_debug
 from .verification import VerifyOutput
 from .verification.block import residual_mass_reference
 from .verification.common import sample_from_unnormalized
@@ -34,7 +41,8 @@ __all__ = [
     "gbv_verify_capped",
     "IMPLEMENTATIONS",
     "choose_implementation",
-    "irls_accumulate",
+    "check_device_errors",
+    "set_debug",
 ]
 
 IMPLEMENTATIONS = ("auto", "compiled", "cupy", "reference")
@@ -66,7 +74,8 @@ if extension_available():
         torch._check(target_probs.dim() == 2)
         return target_probs.new_empty((target_probs.shape[0],), dtype=torch.float32)
 
-    def _single_path_fake(candidates, target_probs, draft_probs, uniforms, uniforms_final, num_draft_tokens=None):
+    def _single_path_fake(candidates, target_probs, draft_probs, uniforms, uniforms_final, num_draft_tokens=None,
+                          error=None):
         torch._check(candidates.dim() == 2)
         batch, slots = candidates.shape
         return (
@@ -74,7 +83,7 @@ if extension_available():
             candidates.new_empty((batch, slots), dtype=torch.int32),
         )
 
-    def _multi_path_fake(candidates, target_probs, draft_probs, uniforms, uniforms_final):
+    def _multi_path_fake(candidates, target_probs, draft_probs, uniforms, uniforms_final, error=None):
         torch._check(candidates.dim() == 3)
         batch, _, slots = candidates.shape
         return (
@@ -196,6 +205,17 @@ def _check_finite_target(target_probs: torch.Tensor) -> None:
         raise ValueError("target_probs contains NaN, inf or negative entries")
 
 
+def _error_flag(kernel: str, target_probs: torch.Tensor) -> torch.Tensor | None:
+    """The device error flag of a CUDA launch (:func:`specadapt.kernel_errors.flag`); ``None`` on CPU, whose
+    kernels raise directly."""
+    return kernel_errors.flag(kernel, target_probs.device) if target_probs.device.type == "cuda" else None
+
+
+def _after_launch(kernel: str, target_probs: torch.Tensor) -> None:
+    if target_probs.device.type == "cuda":
+        kernel_errors.after_launch(kernel, target_probs.device)
+
+
 def _call_op(op, *args):
     try:
         return op(*args)
@@ -231,7 +251,9 @@ def verify(
 
     Raises:
         ValueError: unknown or multi-path rule, unknown impl, bad shapes/dtypes/ids/coins (the message names the
-            argument).
+            argument); on CPU also a row that does not sum to 1 or a massless target row. On CUDA those two cannot
+            raise without a sync: the kernel writes -1 as the extra token and sets its device error flag, read by
+            :func:`check_device_errors` (after every launch in debug mode, :func:`set_debug`).
     """
     spec = _rule(rule, multi_path=False)
     if not isinstance(target_probs, torch.Tensor):
@@ -247,12 +269,16 @@ def verify(
         from . import cuda_jit
 
         cuda_jit.check_args(candidates, target_probs, draft_probs, uniforms, uniforms_final)
-        return VerifyOutput(*cuda_jit.verify(spec.name, candidates, target_probs, draft_probs, uniforms,
-                                             uniforms_final, num_draft_tokens))
+        out = VerifyOutput(*cuda_jit.verify(spec.name, candidates, target_probs, draft_probs, uniforms,
+                                            uniforms_final, num_draft_tokens, error=_error_flag(spec.op, target_probs)))
+        kernel_errors.after_launch(spec.op, target_probs.device)
+        return out
     op = getattr(torch.ops.specadapt, spec.op)
     accept_len, output_tokens = _call_op(
-        op, candidates, target_probs, draft_probs, uniforms, uniforms_final, num_draft_tokens
+        op, candidates, target_probs, draft_probs, uniforms, uniforms_final, num_draft_tokens,
+        _error_flag(spec.op, target_probs),
     )
+    _after_launch(spec.op, target_probs)
     return VerifyOutput(accept_len=accept_len, output_tokens=output_tokens)
 
 
@@ -298,10 +324,15 @@ def verify_paths(
 
         cuda_jit.check_args(candidates, target_probs, draft_probs, uniforms, uniforms_final, paths=True)
         pipeline = getattr(cuda_jit, spec.op)  # the rule's host pipeline of JIT kernels
-        return GBVOutput(*pipeline(candidates, target_probs, draft_probs, uniforms, uniforms_final))
+        out = GBVOutput(*pipeline(candidates, target_probs, draft_probs, uniforms, uniforms_final,
+                                  error=_error_flag(spec.op, target_probs)))
+        kernel_errors.after_launch(spec.op, target_probs.device)
+        return out
     accept_len, output_tokens, chosen = _call_op(
-        getattr(torch.ops.specadapt, spec.op), candidates, target_probs, draft_probs, uniforms, uniforms_final
+        getattr(torch.ops.specadapt, spec.op), candidates, target_probs, draft_probs, uniforms, uniforms_final,
+        _error_flag(spec.op, target_probs),
     )
+    _after_launch(spec.op, target_probs)
     return GBVOutput(accept_len, output_tokens, chosen)
 
 
@@ -383,25 +414,3 @@ def gbv_verify_capped(
     """:func:`verify_paths_capped` with ``rule="gbv"`` (same contract)."""
     return verify_paths_capped("gbv", candidates, target_probs, draft_probs, uniforms, uniforms_final, caps, impl=impl)
 
-
-def irls_accumulate(
-    features: torch.Tensor, predictions: torch.Tensor, accepted: torch.Tensor, verified: torch.Tensor
-) -> torch.Tensor:
-    """IRLS statistics ``[K, 6] float64`` (a, b, c, g0, g1, n) of one batch of verified drafts.
-
-    Contract of :func:`specadapt.estimator.irls.irls_accumulate_reference` (``features [B, K]``,
-    ``predictions [B, K]``, ``accepted [B]``, ``verified [B]``); the fused op when built for the device,
-    else the reference with a logged warning.
-
-    Raises:
-        ValueError: mismatched shapes or dtypes (the message names the argument).
-    """
-    from .estimator.irls import irls_accumulate_reference
-
-    if has_op_for("irls_accumulate", features.device):
-        return _call_op(torch.ops.specadapt.irls_accumulate, features, predictions, accepted, verified)
-    _warn_once(
-        f"irls_accumulate:{features.device.type}",
-        f"specadapt::irls_accumulate has no compiled kernel for {features.device.type}; using the reference",
-    )
-    return irls_accumulate_reference(features, predictions, accepted, verified)

@@ -5,13 +5,11 @@ Two baselines, both GPU-only and both optional (used only when importable):
 * ``flashinfer_chain``: ``flashinfer.sampling.chain_speculative_sampling(draft_probs, draft_token_ids,
   target_probs, ...)``, compared with our ``chain`` op. It draws its own coins (recent flashinfer has no
   ``uniform_samples`` argument; versions that still take one get ours).
-* ``sglang_triton``: SGLang 0.5.23's Triton kernel
-  ``sglang.kernels.ops.speculative.reject_sampling.chain_speculative_sampling_triton``, compared with our
-  ``chain`` op and, with ``block_verification=True``, our ``block`` op. Without an installed ``sglang`` the
-  kernel's file can be loaded from a path given in ``SPECADAPT_SGLANG_REJECT_SAMPLING`` (the file imports only
-  triton), e.g. from an unpacked sglang wheel.
+* ``sglang_triton``: SGLang 0.5.23's Triton chain kernel, compared with our ``chain`` op and, with
+  ``block_verification=True``, our ``block`` op; its loader and argument builder live with the other
+  sglang-facing code in :mod:`specadapt.sglang.baselines` (this module never touches sglang).
 
-Nothing here imports flashinfer, sglang or triton at module import: each baseline's ``load`` does.
+Nothing imports flashinfer, sglang or triton at module import: each baseline's ``load`` does.
 Timing and the report live in :mod:`specadapt.bench.kernels`.
 
 Our inputs (``make_inputs``): ``cand [B, L+1] int64`` (slot 0 the root), ``p [B, L+1, V]``, ``q [B, L, V]``,
@@ -20,28 +18,22 @@ Our inputs (``make_inputs``): ``cand [B, L+1] int64`` (slot 0 the root), ``p [B,
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
-import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
+from ..sglang import baselines as _sglang  # imports no sglang: only its loader does
+
 __all__ = [
     "BASELINES",
     "Baseline",
     "LoadedBaseline",
-    "SGLANG_FILE_ENV",
     "flashinfer_chain_kwargs",
     "resolve",
-    "sglang_triton_kwargs",
     "status_line",
 ]
-
-SGLANG_FILE_ENV = "SPECADAPT_SGLANG_REJECT_SAMPLING"
-SGLANG_MODULE = "sglang.kernels.ops.speculative.reject_sampling"
 
 
 @dataclass(frozen=True)
@@ -118,50 +110,6 @@ def flashinfer_chain_kwargs(op: str, fn: Callable, inputs: list) -> dict:
     return kw
 
 
-def sglang_triton_kwargs(op: str, fn: Callable, inputs: list) -> dict:
-    """Arguments of SGLang's ``chain_speculative_sampling_triton`` for our chain / block inputs.
-
-    SGLang's chain layout (``eagle_utils`` / ``dflash_utils`` in 0.5.23): ``candidates [B, L+1] int64``,
-    ``retrive_index [B, L+1] int64`` (``b * (L+1) + j``), ``retrive_next_token`` / ``retrive_next_sibling``
-    ``[B, L+1] int64`` (a chain: next is j+1, last -1; no siblings), ``uniform_samples [B, L+1] float32`` (the
-    first L are the coins), ``uniform_samples_for_final_sampling [B] float32``, ``target_probs [B, L+1, V]``
-    and ``draft_probs [B, L, V]`` float32, outputs ``predicts [B*(L+1)]``, ``accept_index [B, L+1]``,
-    ``accept_token_num [B]`` int32; ``block_verification=True`` for our ``block`` op.
-
-    Raises:
-        ValueError: ``op`` is ``block`` and this SGLang's kernel has no ``block_verification`` switch.
-    """
-    if op not in ("chain", "block"):
-        raise ValueError(f"sglang_triton compares with chain and block, not {op}")
-    cand, p, q, u, uf = _split(inputs)
-    batch, slots = cand.shape
-    dev = cand.device
-    next_token = torch.arange(1, slots + 1, dtype=torch.int64, device=dev)
-    next_token[-1] = -1
-    kw = {
-        "predicts": torch.zeros(batch * slots, dtype=torch.int32, device=dev),
-        "accept_index": torch.zeros(batch, slots, dtype=torch.int32, device=dev),
-        "accept_token_num": torch.zeros(batch, dtype=torch.int32, device=dev),
-        "candidates": cand.to(torch.int64).contiguous(),
-        "retrive_index": torch.arange(batch * slots, dtype=torch.int64, device=dev).view(batch, slots),
-        "retrive_next_token": next_token.expand(batch, slots).contiguous(),
-        "retrive_next_sibling": torch.full((batch, slots), -1, dtype=torch.int64, device=dev),
-        "uniform_samples": torch.cat([u, uf[:, None]], dim=1).float().contiguous(),
-        "uniform_samples_for_final_sampling": uf.float().contiguous(),
-        "target_probs": p.float().contiguous(),
-        "draft_probs": q.float().contiguous(),
-        "threshold_single": 1.0,
-        "threshold_acc": 1.0,
-        "deterministic": True,
-    }
-    if op == "block":
-        params = _accepted_params(fn)
-        if params is not None and "block_verification" not in params:
-            raise ValueError("this SGLang kernel has no block_verification argument")
-        kw["block_verification"] = True
-    return kw
-
-
 def _load_flashinfer():
     import flashinfer
     from flashinfer.sampling import chain_speculative_sampling
@@ -169,32 +117,10 @@ def _load_flashinfer():
     return chain_speculative_sampling, f"flashinfer {getattr(flashinfer, '__version__', '?')}"
 
 
-def _load_sglang():
-    try:
-        module = importlib.import_module(SGLANG_MODULE)
-        try:
-            from importlib.metadata import version
-
-            ver = f"sglang {version('sglang')}"
-        except Exception:  # noqa: BLE001 - a version string is only informative
-            ver = "sglang ?"
-    except ImportError as exc:
-        path = os.environ.get(SGLANG_FILE_ENV)
-        if not path:
-            raise ImportError(f"{exc} (or set {SGLANG_FILE_ENV} to sglang's kernels/ops/speculative/"
-                              "reject_sampling.py)") from exc
-        if not os.path.isfile(path):
-            raise ImportError(f"{SGLANG_FILE_ENV}={path}: no such file") from exc
-        spec = importlib.util.spec_from_file_location("_specadapt_sglang_reject_sampling", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)  # imports triton; raises ImportError without it
-        ver = f"file {path}"
-    return module.chain_speculative_sampling_triton, ver
-
-
 BASELINES: dict[str, Baseline] = {
     "flashinfer_chain": Baseline("flashinfer_chain", ("chain",), _load_flashinfer, flashinfer_chain_kwargs),
-    "sglang_triton": Baseline("sglang_triton", ("chain", "block"), _load_sglang, sglang_triton_kwargs),
+    "sglang_triton": Baseline("sglang_triton", ("chain", "block"), _sglang.load_triton_chain,
+                              _sglang.triton_chain_kwargs),
 }
 
 

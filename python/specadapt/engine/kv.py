@@ -19,16 +19,14 @@ shared and tracks, per request, which physical slots are valid:
 from __future__ import annotations
 
 import inspect
-import os
 
 import torch
 
 from . import packing as _packing
+from . import sdpa_gqa as _sdpa_gqa
 from .packing import Packing, active_packing
 
 __all__ = ["RaggedKVCache"]
-
-_FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
 
 
 def _is_prefix_view(tensor: torch.Tensor, buffer: torch.Tensor | None) -> bool:
@@ -151,8 +149,11 @@ class RaggedKVCache:
             self.cache.layers = [layer_class() if type(layer) is DynamicLayer else layer for layer in self.cache.layers]
         # On CPU, grouped-query attention with an explicit mask otherwise repeats K/V to every query head at every
         # forward (another O(T) copy); torch's CPU SDPA takes GQA directly. (On CUDA that switch would select the
-        # math kernel, so it is left alone there.)
+        # math kernel, so it is left alone there.) Chosen per forward and per thread (engine/sdpa_gqa.py), never
+        # through the process environment.
         self._force_gqa = fast_append and self.device.type == "cpu"
+        if self._force_gqa:
+            _sdpa_gqa.register()
         if packed and not fast_append:
             raise ValueError("packed=True needs fast_append=True (the packed keys are unpacked by its cache layer)")
         self.packed = packed
@@ -232,39 +233,38 @@ class RaggedKVCache:
         mask = self._attention_mask(num_new, new_valid, chunk_mask)
         input_ids = input_ids.to(self.device)
         packing, kept, keep_last = None, None, int(logits_to_keep)
+        config = self.model.config
+        previous_attention = config._attn_implementation_internal
+        attention = config._attn_implementation
+        if self._force_gqa and attention == "sdpa":  # grouped-query SDPA for this call (see __init__)
+            attention = _sdpa_gqa.ATTENTION_NAME
         real = int(num_valid.sum()) if self.packed else 0  # (a host sync on CUDA: only when packing is on)
         if self.packed and 0 < real < batch * num_new and real <= self.pack_below * batch * num_new:
-            packing = Packing.from_valid(new_valid, self.model.config._attn_implementation)
+            packing = Packing.from_valid(new_valid, attention)
             input_ids, position_ids = packing.pack(input_ids), packing.pack(position_ids)
             if keep_last:  # the packed indices of the chunk's last k columns that hold real tokens
                 kept = ((packing.flat % num_new) >= num_new - keep_last).nonzero().squeeze(1)
                 logits_to_keep = kept
-        previous = os.environ.get(_FORCE_GQA)
-        if self._force_gqa:
-            os.environ[_FORCE_GQA] = "1"
-        config = self.model.config
         if packing is not None:
             token = packing.activate()
             config._attn_implementation_internal = _packing.ATTENTION_NAME
+        elif attention != previous_attention:
+            config._attn_implementation_internal = attention
         try:
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=position_ids,
-                use_cache=True,
-                logits_to_keep=logits_to_keep,
-                **{self._cache_name: self.cache},
-                **model_kwargs,
-            )
+            with _sdpa_gqa.grouped_query(self._force_gqa):
+                out = self.model(
+                    input_ids=input_ids,
+                    attention_mask=mask,
+                    position_ids=position_ids,
+                    use_cache=True,
+                    logits_to_keep=logits_to_keep,
+                    **{self._cache_name: self.cache},
+                    **model_kwargs,
+                )
         finally:
+            config._attn_implementation_internal = previous_attention
             if packing is not None:
-                config._attn_implementation_internal = packing.base_attention
                 packing.deactivate(token)
-            if self._force_gqa:
-                if previous is None:
-                    os.environ.pop(_FORCE_GQA, None)
-                else:
-                    os.environ[_FORCE_GQA] = previous
         if packing is not None:
             self._unpack_outputs(out, packing, keep_last, kept)
             self.num_packed_forwards += 1

@@ -8,11 +8,12 @@ pruning on it keeps verification exact.
 
 from .estimator import AcceptanceEstimator
 from .features import draft_confidence_feature
-from .irls import irls_accumulate_reference, irls_labels, irls_solve
+from .irls import irls_accumulate, irls_accumulate_reference, irls_labels, irls_solve
 
 __all__ = [
     "AcceptanceEstimator",
     "draft_confidence_feature",
+    "irls_accumulate",
     "irls_accumulate_reference",
     "irls_labels",
     "irls_solve",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .irls import irls_solve
+from .irls import irls_accumulate, irls_solve
 
 __all__ = ["AcceptanceEstimator"]
 
@@ -19,7 +19,7 @@ class AcceptanceEstimator:
         damping: D of the evidence damping ``n / (n + D)``.
         ridge: lambda of the Newton system.
         max_step: trust region of one refit in logit units (see :func:`specadapt.estimator.irls.irls_solve`).
-        accumulate: the accumulate function; default :func:`specadapt.kernels.irls_accumulate` (the fused op,
+        accumulate: the accumulate function; default :func:`specadapt.estimator.irls.irls_accumulate` (fused op,
             or the float64 reference where it is not built).
 
     Memory is O(K): only the ``[K, 6]`` statistics of the current window are kept, never raw labels.
@@ -43,11 +43,7 @@ class AcceptanceEstimator:
         self.damping = damping
         self.ridge = ridge
         self.max_step = max_step
-        if accumulate is None:
-            from .. import kernels
-
-            accumulate = kernels.irls_accumulate
-        self._accumulate = accumulate
+        self._accumulate = irls_accumulate if accumulate is None else accumulate
         self.stats = torch.zeros(num_positions, 6, dtype=torch.float64)
         self.steps = 0
         self.refits = 0

@@ -1,4 +1,5 @@
-"""IRLS for the acceptance estimator: the accumulate step (reference) and the arrowhead Newton solve.
+"""IRLS for the acceptance estimator: the accumulate step (the fused op and its float64 reference) and the
+arrowhead Newton solve.
 
 Statistics per draft position ``k`` (columns of the ``[K, 6]`` tensor), from each labelled observation with
 feature ``f``, stored prediction ``p`` and label ``y`` (``r = y - p``, ``w = p (1 - p)``)::
@@ -11,11 +12,15 @@ accepted = 1, the first rejected = 0; later positions and pruned drafts get no l
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 
-__all__ = ["STAT_COLUMNS", "irls_labels", "irls_accumulate_reference", "irls_solve"]
+__all__ = ["STAT_COLUMNS", "irls_labels", "irls_accumulate", "irls_accumulate_reference", "irls_solve"]
+
+logger = logging.getLogger(__name__)
+_warned: set[str] = set()
 
 STAT_COLUMNS = ("a", "b", "c", "g0", "g1", "n")
 
@@ -74,6 +79,32 @@ def irls_accumulate_reference(
     return torch.stack(
         [(w * f * f).sum(0), (w * f).sum(0), w.sum(0), (r * f).sum(0), r.sum(0), m.sum(0)], dim=1
     )
+
+
+def irls_accumulate(
+    features: torch.Tensor, predictions: torch.Tensor, accepted: torch.Tensor, verified: torch.Tensor
+) -> torch.Tensor:
+    """IRLS statistics ``[K, 6] float64`` (a, b, c, g0, g1, n) of one batch of verified drafts.
+
+    Contract of :func:`irls_accumulate_reference` (``features [B, K]``, ``predictions [B, K]``, ``accepted [B]``,
+    ``verified [B]``); the fused op ``specadapt::irls_accumulate`` when built for the device, else the reference
+    with a logged warning (once per device type).
+
+    Raises:
+        ValueError: mismatched shapes or dtypes (the message names the argument).
+    """
+    from .. import kernels  # the estimator depends on the kernels, never the reverse
+
+    if kernels.has_op_for("irls_accumulate", features.device):
+        try:
+            return torch.ops.specadapt.irls_accumulate(features, predictions, accepted, verified)
+        except RuntimeError as exc:  # TORCH_CHECK failures: the reference's exception type
+            raise ValueError(str(exc).split("\n")[0]) from None
+    if features.device.type not in _warned:
+        _warned.add(features.device.type)
+        logger.warning("specadapt::irls_accumulate has no compiled kernel for %s; using the reference",
+                       features.device.type)
+    return irls_accumulate_reference(features, predictions, accepted, verified)
 
 
 def irls_solve(
