@@ -52,7 +52,7 @@ JSON layout (``--json``)::
 Bad arguments print one line naming the flag and exit with code 2; an unreachable server or an error response
 prints one line with the URL (and the HTTP status and a body excerpt) and exits with code 1.
 
-This script is the command line only: the client, the report and the plot live in :mod:`specadapt.bench.long_gen`.
+This script is the command line only: the client, the report and the plot live in :mod:`specadapt.cli.long_gen`.
 """
 
 from __future__ import annotations
@@ -60,11 +60,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specadapt.bench.long_gen.options import (
+from specadapt.cli.long_gen.options import (
     DEFAULT_BUCKET_EDGES, DEFAULT_CONCURRENCY, PROG, ArgumentError, BenchError,
 )
-from specadapt.bench.long_gen.plot import plot  # imports matplotlib only when it draws
-from specadapt.bench.long_gen.report import print_report, run, write_json
+from specadapt.cli.long_gen.plot import plot  # imports matplotlib only when it draws
+from specadapt.cli.long_gen.report import print_report, run, write_json
 
 
 class _OneLineParser(argparse.ArgumentParser):

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from specadapt.bench.long_gen.plot import acceptance_curve as curve
+from specadapt.cli.long_gen.plot import acceptance_curve as curve
 
 
 def name(report: dict, path: Path) -> str:

@@ -1,4 +1,4 @@
-"""scripts/bench_long_gen.py (the CLI over specadapt.bench.long_gen) against a fake OpenAI-compatible / SGLang
+"""scripts/bench_long_gen.py (the CLI over specadapt.cli.long_gen) against a fake OpenAI-compatible / SGLang
 server started in the test, and on the embedded engine (a tiny random model; the real SmolLM2-135M under the
 real_model marker)."""
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from specadapt.bench.long_gen.client import acceptance_from, parse_prometheus
-from specadapt.bench.long_gen.plot import plot
-from specadapt.bench.long_gen.report import summarize
+from specadapt.cli.long_gen.client import acceptance_from, parse_prometheus
+from specadapt.cli.long_gen.plot import plot
+from specadapt.cli.long_gen.report import summarize
 from specadapt.datasets import load_prompts
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"

@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from batches import random_batch, tree_batch
+from tests.helpers.batches import random_batch, tree_batch
 
 from specadapt import cuda_jit, kernel_errors, kernels
 
