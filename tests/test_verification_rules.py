@@ -54,7 +54,9 @@ def test_every_rule_has_a_cpu_op_of_its_kind_that_matches_its_reference(name):
     assert kernels.has_op_for(rule.op, torch.device("cpu"))
     schema = getattr(torch.ops.specadapt, rule.op).default._schema
     assert len(schema.returns) == (3 if rule.multi_path else 2)
-    assert [a.name for a in schema.arguments][-1] == ("uniforms_final" if rule.multi_path else "num_draft_tokens")
+    names = [a.name for a in schema.arguments]
+    assert names[-1] == "error"  # the device error flag (kernel_errors), last in every verification op
+    assert names[-2] == ("uniforms_final" if rule.multi_path else "num_draft_tokens")
     if rule.multi_path:
         args = tree_batch(3, 2, 3, 12, seed=5, dtype=torch.float32)
         got = kernels.verify_paths(name, *args, impl="compiled")

@@ -460,6 +460,9 @@ class SpeculativeEngine:
             accept_len, output_tokens, n_draft = self._gbv_round(kv, histories)
         else:
             accept_len, output_tokens, n_draft = self._single_path_round(kv, histories, remaining)
+        # the host reads this round's tokens just below (a sync on CUDA anyway): read the verification kernels'
+        # device error flags with it (nothing to read on CPU, whose kernels raise directly)
+        kernels.check_device_errors()
         keep, events, emitted_rows = [], [], []
         now = time.perf_counter()
         for row_index, row in enumerate(self._rows):
