@@ -167,12 +167,12 @@ def test_early_stop_gives_the_caps_of_full_drafting(tiny_target, budget):
         av.stale_budget = budget
         draft = ModelDraft(self_draft(tiny_target, 1), params, 11, "self:1")
         filter_only = functools.partial(av.draft_caps, lookahead=False)
-        draft.draft_filter = {"full": None, "filter": filter_only, "caps": av.draft_caps}[mode]
+        draft_filter = {"full": None, "filter": filter_only, "caps": av.draft_caps}[mode]
         draft.start(histories)
         forwards = []
         inner = draft.kv.forward
         draft.kv.forward = lambda *a, **k: forwards.append(1) or inner(*a, **k)
-        proposal = draft.propose(histories, torch.full((4,), L), 32)
+        proposal = draft.propose(histories, torch.full((4,), L), 32, draft_filter=draft_filter)
         av.stale_budget = budget
         caps, _, _ = av.plan(proposal.probs, proposal.num_tokens)
         results[mode] = (caps, proposal, av.pruned, len(forwards))
@@ -249,9 +249,9 @@ def _one_round(tiny_target, mode, budget, estimator, costs, histories, L, seed=1
     av = AdaptiveVerification(estimator, costs, AVConfig(early_stop=mode != "full"))
     av.stale_budget = budget
     draft = ModelDraft(self_draft(tiny_target, 1), SamplingParams(1.0), seed, "self:1")
-    draft.draft_filter = None if mode == "full" else av.draft_caps
+    draft_filter = None if mode == "full" else av.draft_caps
     draft.start(histories)
-    proposal = draft.propose(histories, torch.full((len(histories),), L), 32)
+    proposal = draft.propose(histories, torch.full((len(histories),), L), 32, draft_filter=draft_filter)
     caps, _, _ = av.plan(proposal.probs, proposal.num_tokens)
     return caps, av.stale_budget
 
