@@ -9,6 +9,7 @@ import torch
 from tests.helpers.models import loaded, tiny_llama
 from tests.helpers.engine import GREEDY, PROMPTS, _exact_joint, assert_first_tokens_follow, naive_greedy
 from specadapt.budget import CostTable, allocate_prefixes, choose_budget, survival
+from specadapt.budget.config import AVConfig
 from specadapt.engine import ModelDraft, NgramDraft, SpeculativeEngine
 from specadapt.engine.adaptive import AdaptiveVerification, profile_engine_costs
 from specadapt.engine.drafts import self_draft
@@ -162,16 +163,16 @@ def test_early_stop_gives_the_caps_of_full_drafting(tiny_target, budget):
     costs = CostTable(target_ms=[1.0] * 64, draft_ms=[0.0])
     results = {}
     for mode in ("full", "filter", "caps"):
-        av = AdaptiveVerification(estimator, costs, early_stop=mode != "full")
+        av = AdaptiveVerification(estimator, costs, AVConfig(early_stop=mode != "full"))
         av.stale_budget = budget
         draft = ModelDraft(self_draft(tiny_target, 1), params, 11, "self:1")
         filter_only = functools.partial(av.draft_caps, lookahead=False)
-        draft.draft_filter = {"full": None, "filter": filter_only, "caps": av.draft_caps}[mode]
+        draft_filter = {"full": None, "filter": filter_only, "caps": av.draft_caps}[mode]
         draft.start(histories)
         forwards = []
         inner = draft.kv.forward
         draft.kv.forward = lambda *a, **k: forwards.append(1) or inner(*a, **k)
-        proposal = draft.propose(histories, torch.full((4,), L), 32)
+        proposal = draft.propose(histories, torch.full((4,), L), 32, draft_filter=draft_filter)
         av.stale_budget = budget
         caps, _, _ = av.plan(proposal.probs, proposal.num_tokens)
         results[mode] = (caps, proposal, av.pruned, len(forwards))
@@ -245,12 +246,12 @@ def test_draft_caps_reuses_the_features_of_earlier_positions():
 
 
 def _one_round(tiny_target, mode, budget, estimator, costs, histories, L, seed=11):
-    av = AdaptiveVerification(estimator, costs, early_stop=mode != "full")
+    av = AdaptiveVerification(estimator, costs, AVConfig(early_stop=mode != "full"))
     av.stale_budget = budget
     draft = ModelDraft(self_draft(tiny_target, 1), SamplingParams(1.0), seed, "self:1")
-    draft.draft_filter = None if mode == "full" else av.draft_caps
+    draft_filter = None if mode == "full" else av.draft_caps
     draft.start(histories)
-    proposal = draft.propose(histories, torch.full((len(histories),), L), 32)
+    proposal = draft.propose(histories, torch.full((len(histories),), L), 32, draft_filter=draft_filter)
     caps, _, _ = av.plan(proposal.probs, proposal.num_tokens)
     return caps, av.stale_budget
 
@@ -280,7 +281,7 @@ def _av_run(target, params, mode, n=24, L=3, seed=0):
     """Issue 19's setting: speculation="on" (a round with B* = 0 still drafts position 1, so the budget can
     return from 0 without probes; "auto", where B* = 0 turns drafting off, is tests/test_speculation_off.py's)."""
     costs = CostTable(target_ms=[1.0] * 64, draft_ms=[0.0])  # verifying is free: every draft pays
-    av = AdaptiveVerification(AcceptanceEstimator(L, refit_interval=5), costs, early_stop=mode == "early",
+    av = AdaptiveVerification(AcceptanceEstimator(L, refit_interval=5), costs, AVConfig(early_stop=mode == "early"),
                               speculation="on")
     av.stale_budget = 0  # the budget starts at 0
     draft = ModelDraft(self_draft(target, 2), params, seed, "self:2")  # a copy

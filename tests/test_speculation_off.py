@@ -10,6 +10,7 @@ import torch
 from tests.helpers.models import loaded, tiny_llama
 from tests.helpers.engine import GREEDY, PROMPTS, _exact_joint, assert_first_tokens_follow, eagle, naive_greedy
 from specadapt.budget import CostTable, choose_budget
+from specadapt.budget.config import AVConfig
 from specadapt.engine import ModelDraft, SpeculativeEngine
 from specadapt.engine.loop import Request
 from specadapt.engine.adaptive import AdaptiveVerification
@@ -21,11 +22,12 @@ FLAT = CostTable(target_ms=[1.0] * 256, draft_ms=[0.0])  # verifying is free: ev
 STEEP = CostTable(target_ms=[10.0 * n for n in range(1, 257)], draft_ms=[5.0])  # no draft ever pays
 
 
-def _av(L, costs, **kwargs):
+def _av(L, costs, speculation="auto", **settings):
     """Synthetic cost tables: the learnt overhead (measured - predicted) is off, or the tiny models' real round
-    times would rewrite the costs these tests choose."""
-    kwargs.setdefault("online_overhead", False)
-    return AdaptiveVerification(AcceptanceEstimator(L, refit_interval=5), costs, **kwargs)
+    times would rewrite the costs these tests choose. ``settings``: :class:`AVConfig` fields."""
+    settings.setdefault("online_overhead", False)
+    return AdaptiveVerification(AcceptanceEstimator(L, refit_interval=5), costs, AVConfig(**settings),
+                                speculation=speculation)
 
 
 def _count_forwards(draft) -> list:

@@ -82,7 +82,7 @@ def test_loss_bad_input():
     "kwargs,match",
     [({"stride": 0}, "stride"), ({"lr": 0}, "lr"), ({"params": "all"}, "params"), ({"lora_rank": 0}, "rank"),
      ({"supervise": "x"}, "supervise"), ({"position_decay": 1.5}, "decay"), ({"rollback_margin": 0}, "margin"),
-     ({"scope": "global"}, "scope"), ({"scope": "request"}, "lora"), ({"topk": -1}, "--tts-topk")],
+     ({"scope": "global"}, "scope"), ({"scope": "request"}, "lora"), ({"topk": -1}, "^topk ")],
 )
 def test_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -85,8 +85,8 @@ def record_first_q_rows(draft) -> list:
     seen = []
     original = draft.propose
 
-    def recording(histories, max_tokens, vocab_size):
-        proposal = original(histories, max_tokens, vocab_size)
+    def recording(histories, max_tokens, vocab_size, draft_filter=None):
+        proposal = original(histories, max_tokens, vocab_size, draft_filter=draft_filter)
         for r, h in enumerate(histories):
             if int(proposal.num_tokens[r]) > 0:
                 seen.append((list(h), proposal.probs[r, 0].clone()))

@@ -30,12 +30,13 @@ resets it. Whether a round is off or a probe depends only on earlier rounds, nev
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..estimator import AcceptanceEstimator
 from ..estimator.features import feature_from_probs
+from .config import AVConfig
 from .budget import allocate_prefixes, choose_budget, survival
 from .costs import CostTable
 
@@ -46,14 +47,13 @@ __all__ = ["AdaptiveVerification"]
 class AdaptiveVerification:
     """State of adaptive verification for one engine.
 
-    Attributes:
-        estimator: the online acceptance estimator (K = the engine's L).
+    Args (the constructor's; everything else is state):
+        estimator: the online acceptance estimator (K = the engine's L); :meth:`from_config` builds it from
+            ``config.estimator``.
         costs: target / draft cost table.
-        stale_budget: B* chosen from the previous round (``None`` before the first round: verify everything).
-        pruned, verified: counters of draft tokens pruned / verified so far.
+        config: the settings (:class:`~specadapt.budget.config.AVConfig`: early stop, probe intervals, online
+            overhead, ...).
         prune: ``False`` runs the estimator without pruning (every draft verified), e.g. to log it at fixed L.
-        early_stop: let model drafts stop drafting rows whose next slot falls outside the budget
-            (:meth:`draft_caps`; ``--av-no-early-stop`` turns it off to measure its effect).
         draft_log: an open text file receiving one JSON line per verified draft (see
             :mod:`specadapt.estimator.evaluation`), or ``None``.
         budget_from_verified: choose the next ``B*`` from the verified slots' survivals (at least position 1
@@ -63,65 +63,71 @@ class AdaptiveVerification:
         speculation: ``"auto"``: a round with ``B* = 0`` turns speculation off until a probe round turns it on
             again (module docstring); ``"on"``: ``B = 0`` still pays the draft's round and drafting never stops
             (the SGLang plugin, whose draft graph always runs).
-        probe_interval, probe_interval_max: rounds off before the first probe, and the cap of its doubling.
-        probe_depth: drafts per request a probe round verifies (unpruned).
+
+    Attributes:
+        stale_budget: B* chosen from the previous round (``None`` before the first round: verify everything).
+        pruned, verified: counters of draft tokens pruned / verified so far.
         rounds_off, probe_rounds: counters of rounds with speculation off / probe rounds so far.
         cost_samples: ``(table_ms, measured_ms, calibrated_ms)`` of recent rounds (:meth:`record_round_time`; at
-            most ``max_cost_samples`` kept): the cost table's prediction, the measured wall time, and the
+            most ``config.max_cost_samples`` kept): the cost table's prediction, the measured wall time, and the
             prediction with the learnt overhead, to check the cost model against the rounds it chose.
-        online_overhead: learn, from measured round times, the ms a round costs beyond the table's forwards
-            (sampling, verification, Python; separately for rounds with speculation off and on: an exponential
-            average of measured - predicted with weight ``overhead_weight``, over steady rounds: not the first
-            round, not probe rounds, which also pay a deferred catch-up) and add it to the budget's costs.
-            Exact as any stale B*: it depends on earlier rounds only. ``False`` (or a loaded table meant to be
-            reproduced exactly): the table alone.
+        overhead_ms: with ``config.online_overhead``, the ms a round costs beyond the table's forwards learnt
+            from measured round times (sampling, verification, Python; separately for rounds with speculation off
+            and on: an exponential average of measured - predicted with weight ``config.overhead_weight``, over
+            steady rounds: not the first round, not probe rounds, which also pay a deferred catch-up), added to
+            the budget's costs. Exact as any stale B*: it depends on earlier rounds only.
+
+    Raises:
+        ValueError: ``speculation`` not auto / on; ``config.probe_depth`` above the estimator's K.
     """
 
     estimator: AcceptanceEstimator
     costs: CostTable
-    stale_budget: int | None = None
-    pruned: int = 0
-    verified: int = 0
+    config: AVConfig = field(default_factory=AVConfig)
     prune: bool = True
-    early_stop: bool = True  # stop drafting a row once its next slot cannot be verified (draft_caps)
     draft_log: object = None  # an open text file: one JSON line per verified draft (--log-drafts)
-    rounds: int = 0
     budget_from_verified: bool = True
     speculation: str = "auto"
-    probe_interval: int = 4
-    probe_interval_max: int = 64
-    probe_depth: int = 1
-    rounds_off: int = 0
-    probe_rounds: int = 0
-    cost_samples: list | None = None
-    max_cost_samples: int = 100_000
-    online_overhead: bool = True
-    overhead_weight: float = 0.1
-    overhead_ms: dict | None = None
-    _plan_refits: int = 0
-    _off_streak: int = 0
-    _probe_wait: int = 0
-    _probing: bool = False
-    _round_limit: int | None = None
-    _predicted_ms: float | None = None
-    _round_features: torch.Tensor | None = None  # draft_caps' features of the positions drafted so far
-    _round_proposed: torch.Tensor | None = None  # draft_caps' num_drafts at step 0: the depth each row proposed
+    stale_budget: int | None = field(default=None, init=False)
+    pruned: int = field(default=0, init=False)
+    verified: int = field(default=0, init=False)
+    rounds: int = field(default=0, init=False)
+    rounds_off: int = field(default=0, init=False)
+    probe_rounds: int = field(default=0, init=False)
+    cost_samples: list = field(default_factory=list, init=False)
+    overhead_ms: dict = field(default_factory=lambda: {"on": None, "off": None}, init=False)
+    _plan_refits: int = field(default=0, init=False)
+    _off_streak: int = field(default=0, init=False)
+    _probe_wait: int = field(default=0, init=False)
+    _probing: bool = field(default=False, init=False)
+    _round_limit: int | None = field(default=None, init=False)
+    _predicted_ms: float | None = field(default=None, init=False)
+    # draft_caps' features of the positions drafted so far, and its num_drafts at step 0 (the proposed depths)
+    _round_features: torch.Tensor | None = field(default=None, init=False)
+    _round_proposed: torch.Tensor | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.speculation not in ("auto", "on"):
             raise ValueError(f"speculation must be 'auto' or 'on', got {self.speculation!r}")
-        if self.probe_interval < 1 or self.probe_interval_max < self.probe_interval:
-            raise ValueError(f"probe_interval must be >= 1 and <= probe_interval_max, got {self.probe_interval} "
-                             f"and {self.probe_interval_max}")
-        if not 1 <= self.probe_depth <= self.estimator.num_positions:
-            raise ValueError(f"probe_depth must be in [1, {self.estimator.num_positions}], got {self.probe_depth}")
-        self._probe_wait = self.probe_interval
-        if self.cost_samples is None:
-            self.cost_samples = []
-        if self.overhead_ms is None:
-            self.overhead_ms = {"on": None, "off": None}
+        if self.config.probe_depth > self.estimator.num_positions:
+            raise ValueError(f"probe_depth must be in [1, {self.estimator.num_positions}], got "
+                             f"{self.config.probe_depth}")
+        self._probe_wait = self.config.probe_interval
         self._predicted_off = False
         self._learn_round = True
+
+    @classmethod
+    def from_config(cls, num_positions: int, costs: CostTable, config: AVConfig | None = None,
+                    **kwargs) -> "AdaptiveVerification":
+        """Adaptive verification over ``num_positions`` (L) draft positions with a fresh estimator built from
+        ``config.estimator``; ``kwargs``: the other constructor arguments (``prune``, ``draft_log``, ...)."""
+        config = AVConfig() if config is None else config
+        return cls(AcceptanceEstimator.from_config(num_positions, config.estimator), costs, config, **kwargs)
+
+    @property
+    def early_stop(self) -> bool:
+        """Whether model drafts stop drafting rows whose next slot falls outside the budget (``config``'s)."""
+        return self.config.early_stop
 
     @property
     def speculation_off(self) -> bool:
@@ -146,7 +152,7 @@ class AdaptiveVerification:
             self._off_streak = 0
             self._probing = True
             self.probe_rounds += 1
-            self._round_limit = self.probe_depth
+            self._round_limit = self.config.probe_depth
         else:
             self.rounds_off += 1
             self._round_limit = 0
@@ -158,12 +164,12 @@ class AdaptiveVerification:
             return
         mode = "off" if self._predicted_off else "on"
         calibrated = self._predicted_ms + self._overhead(mode)
-        if len(self.cost_samples) < self.max_cost_samples:
+        if len(self.cost_samples) < self.config.max_cost_samples:
             self.cost_samples.append((self._predicted_ms, float(measured_ms), calibrated))
         if self._learn_round:
             residual = float(measured_ms) - self._predicted_ms
             old = self.overhead_ms[mode]
-            self.overhead_ms[mode] = residual if old is None else old + self.overhead_weight * (residual - old)
+            self.overhead_ms[mode] = residual if old is None else old + self.config.overhead_weight * (residual - old)
         self._predicted_ms = None
 
     def _overhead(self, mode: str) -> float:
@@ -175,7 +181,7 @@ class AdaptiveVerification:
         measured what off costs (measured: 0% of rounds off at batch 1 and 4, acceptance 1.3, at 0.5-0.75x
         target-only). Optimism here makes the budget try speculation off; its first rounds measure the real
         overhead, and probe rounds switch speculation back on if that was wrong."""
-        if not self.online_overhead:
+        if not self.config.online_overhead:
             return 0.0
         value = self.overhead_ms[mode]
         return 0.0 if value is None else value
@@ -243,7 +249,7 @@ class AdaptiveVerification:
             num_verify = torch.minimum(allocate_prefixes(surv, self.stale_budget), num_drafts)
         # with early stop the draft runs only as deep as the budget reaches: cost the depth (L = estimator's K)
         depth_cost = self.estimator.num_positions
-        steps = depth_cost if self.early_stop else None
+        steps = depth_cost if self.config.early_stop else None
         self._predicted_ms = self._round_cost(num_drafts.shape[0], features.shape[1], int(num_verify.sum()))
         self._predicted_off = self._round_limit == 0
         # a probe pays the deferred catch-up of every round it was off, the first round verifies all L: neither
@@ -261,9 +267,9 @@ class AdaptiveVerification:
                                           zero_is_off=self.speculation == "auto", overhead_ms=self._overhead("on"),
                                           overhead_off_ms=self._overhead("off"))
         if probing and self.stale_budget == 0:
-            self._probe_wait = min(2 * self._probe_wait, self.probe_interval_max)
+            self._probe_wait = min(2 * self._probe_wait, self.config.probe_interval_max)
         elif self._round_limit is None:
-            self._probe_wait = self.probe_interval  # speculation ran: a later switch-off probes early again
+            self._probe_wait = self.config.probe_interval  # speculation ran: a later switch-off probes early again
         self._probing = False
         self._round_limit = None
         self.pruned += int((num_drafts - num_verify).sum())
@@ -293,7 +299,7 @@ class AdaptiveVerification:
             draft = 0.0
         else:
             steps = self.estimator.num_positions
-            depth = min(max(drafted_depth, 1), steps) if self.early_stop else steps
+            depth = min(max(drafted_depth, 1), steps) if self.config.early_stop else steps
             draft = self.costs.draft_depth_cost(requests, depth, steps)
         return draft + self.costs.verify_cost(requests + verified)
 

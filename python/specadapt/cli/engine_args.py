@@ -7,6 +7,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from ..budget.config import AVConfig
+from ..settings import add_arguments, flag_message, from_namespace
+from ..tts.config import TTSConfig
 from ..verification.rules import DEFAULT_RULE, RULES, get_rule, join_names, rule_names
 from .common import UsageError
 
@@ -78,49 +81,14 @@ def add_engine_arguments(p) -> None:
     av = p.add_argument_group("adaptive verification")
     av.add_argument("--adaptive-verification", action="store_true",
                     help="prune each round's drafts to the budget an online acceptance estimator predicts pays")
-    av.add_argument("--av-refit-interval", type=int, default=100, help="decode steps between IRLS refits")
-    av.add_argument("--av-damping", type=float, default=50.0, help="D in the evidence damping n/(n+D)")
-    av.add_argument("--av-no-early-stop", action="store_true",
-                    help="draft every position even when the budget cannot verify it (default: model drafts stop "
-                         "a request's drafting at its first slot outside the budget; same caps, less work)")
-    av.add_argument("--av-probe-interval", type=int, default=4,
-                    help="with speculation switched off: rounds before a probe round (one draft per request, "
-                         "verified) tests whether it pays again; doubles after each probe that keeps it off")
-    av.add_argument("--av-probe-interval-max", type=int, default=64,
-                    help="cap of the doubling probe interval (worst case about 1 probe round in this many)")
-    av.add_argument("--av-init-slope", type=float, default=0.5, help="initial shared slope omega")
-    av.add_argument("--av-init-intercept", type=float, default=-0.2, help="initial per-position intercept beta_k")
+    add_arguments(av, AVConfig, "engine")  # --av-*: AVConfig's fields
     av.add_argument("--log-drafts", default=None, metavar="PATH",
                     help="write one JSON line per verified draft (feature, position, prediction, label) for "
                          "`specadapt eval-estimator`; without --adaptive-verification the estimator runs without pruning")
-    av.add_argument("--av-cost-table", default=None, metavar="PATH",
-                    help="load the cost table from PATH if it exists, else profile it at start-up and save it there")
     tts = p.add_argument_group("Test-Time Speculation (online distillation of a model draft)")
     tts.add_argument("--tts", action="store_true",
                      help="train the draft online on the target's verification pass (eagle, self:N or a model draft)")
-    tts.add_argument("--tts-stride", type=int, default=5,
-                     help="S, rounds between updates (the paper's best throughput used 5; 1 maximises acceptance)")
-    tts.add_argument("--tts-lr", type=float, default=3e-5,
-                     help="Adam learning rate (measured on the shipped head: 3e-5 > 1e-4 > none > 1e-3, docs/tts.md)")
-    tts.add_argument("--tts-lambda", type=float, default=0.1,
-                     help="weight of the proximal KL(q_t || q) term (acts on stale asynchronous steps)")
-    tts.add_argument("--tts-position-decay", type=float, default=0.8, help="gamma of the position weights gamma^(k-1)")
-    tts.add_argument("--tts-params", default="full", choices=["full", "lora"],
-                     help="train the draft's own layers, or low-rank adapters on them")
-    tts.add_argument("--tts-lora-rank", type=int, default=8, help="adapter rank for --tts-params lora")
-    tts.add_argument("--tts-scope", default="shared", choices=["shared", "request"],
-                     help="one draft adapting on all traffic, or per-request LoRA adapters (with --tts-params lora)")
-    tts.add_argument("--tts-supervise", default="accepted", choices=["accepted", "canvas"],
-                     help="positions supervised: up to the first rejection plus one, or every verified position")
-    tts.add_argument("--tts-rounds", default="all", choices=["all", "latest"],
-                     help="an update trains on every round since the previous one, or on the latest round only")
-    tts.add_argument("--tts-rollback-margin", type=float, default=0.5,
-                     help="roll back when the rolling acceptance length < (1 - margin) x the pre-adaptation one")
-    tts.add_argument("--tts-context-window", type=int, default=64,
-                     help="committed tokens of context the differentiable draft forward sees")
-    tts.add_argument("--tts-topk", type=int, default=0,
-                     help="keep only the target's top-k probabilities per supervised position in the snapshots "
-                          "(0: the full vocabulary, exact KL; k > 0 saves snapshot memory)")
+    add_arguments(tts, TTSConfig, "engine")  # --tts-*: TTSConfig's fields
     tts.add_argument("--tts-sync", action="store_true",
                      help="run updates inline at the boundary instead of on a background thread (debugging)")
     p.add_argument("--seed", type=int, default=d["seed"], help="seeds the coins of verification and the draft")
@@ -138,7 +106,7 @@ def add_engine_arguments(p) -> None:
 
 def validate_engine_args(args) -> None:
     """Check the engine flags (shared by ``generate`` and ``serve``) and fill their measured defaults
-    (``num_draft_tokens``, ``num_paths``, ``logit_bias_map``).
+    (``num_draft_tokens``, ``logit_bias_map``; ``num_paths`` is :func:`num_paths_of`).
 
     Raises:
         UsageError: a value out of range or an incompatible combination, naming the flag.
@@ -164,22 +132,13 @@ def validate_engine_args(args) -> None:
         raise UsageError(f"--top-k must be >= 0, got {args.top_k}")
     args.logit_bias_map = parse_logit_bias(args.logit_bias)
     sampling_params(args)  # every sampling flag's range, named
-    if args.num_paths is None:
-        args.num_paths = get_rule(args.verify).default_num_paths
-    if args.num_paths < 1:
-        raise UsageError(f"--num-paths must be >= 1, got {args.num_paths}")
-    if args.num_paths > 1 and not get_rule(args.verify).multi_path:
-        raise UsageError(f"--num-paths {args.num_paths} needs --verify {join_names(rule_names(multi_path=True))} "
+    num_paths = num_paths_of(args)
+    if num_paths < 1:
+        raise UsageError(f"--num-paths must be >= 1, got {num_paths}")
+    if num_paths > 1 and not get_rule(args.verify).multi_path:
+        raise UsageError(f"--num-paths {num_paths} needs --verify {join_names(rule_names(multi_path=True))} "
                          f"({join_names(rule_names(multi_path=False), 'and')} verify one path)")
-    if args.av_refit_interval < 1:
-        raise UsageError(f"--av-refit-interval must be >= 1, got {args.av_refit_interval}")
-    if args.av_damping < 0:
-        raise UsageError(f"--av-damping must be >= 0, got {args.av_damping}")
-    if args.av_probe_interval < 1:
-        raise UsageError(f"--av-probe-interval must be >= 1, got {args.av_probe_interval}")
-    if args.av_probe_interval_max < args.av_probe_interval:
-        raise UsageError(f"--av-probe-interval-max must be >= --av-probe-interval ({args.av_probe_interval}), "
-                         f"got {args.av_probe_interval_max}")
+    av_config(args)  # every --av-* range, named
     if args.adaptive_verification and not get_rule(args.verify).adaptive:
         raise UsageError(f"--adaptive-verification does not apply to --verify {args.verify}")
     if args.log_drafts and get_rule(args.verify).multi_path:
@@ -203,10 +162,7 @@ def validate_engine_args(args) -> None:
     if args.tts:
         if draft_kind == "ngram":
             raise UsageError("--tts needs a model draft (--draft eagle, self:N or a model path): ngram has no weights")
-        try:
-            _tts_config(args)
-        except ValueError as exc:  # TTSConfig's messages name the flag
-            raise UsageError(str(exc)) from None
+        tts_config(args)  # every --tts-* range, named
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
         raise UsageError(f"--device must be cpu or cuda, got {args.device!r}")
     if args.verify_impl == "cupy" and not args.device.startswith("cuda"):
@@ -335,28 +291,49 @@ def _silence_gguf_progress() -> None:
         gguf_utils.tqdm = functools.partial(gguf_utils.tqdm, disable=True)
 
 
-def _tts_config(args):
-    from ..tts import TTSConfig
-
-    return TTSConfig(
-        stride=args.tts_stride, lr=args.tts_lr, proximal_weight=args.tts_lambda,
-        position_decay=args.tts_position_decay, params=args.tts_params, lora_rank=args.tts_lora_rank,
-        scope=args.tts_scope,
-        supervise=args.tts_supervise, rounds=args.tts_rounds, rollback_margin=args.tts_rollback_margin,
-        context_window=args.tts_context_window, topk=args.tts_topk,
-    )
+def num_paths_of(args) -> int:
+    """K, the sampled draft paths per request: ``--num-paths``, or the rule's default (the registry's
+    ``default_num_paths``: 3 for ``--verify gbv``, else 1)."""
+    if args.num_paths is not None:
+        return args.num_paths
+    return get_rule(args.verify).default_num_paths
 
 
-def _adaptive(args, target, draft, batch_size: int | None = None):
-    """Estimator + cost table (loaded from --av-cost-table when the file exists, else profiled)."""
+def _config_of(cls, args):
+    try:
+        return from_namespace(cls, args, "engine")
+    except ValueError as exc:  # the message names the field: report the flag
+        raise UsageError(flag_message(exc, cls, "engine")) from None
+
+
+def tts_config(args) -> TTSConfig:
+    """The run's :class:`~specadapt.tts.TTSConfig` from the ``--tts-*`` flags.
+
+    Raises:
+        UsageError: a value out of range, naming its flag.
+    """
+    return _config_of(TTSConfig, args)
+
+
+def av_config(args) -> AVConfig:
+    """The run's :class:`~specadapt.budget.config.AVConfig` from the ``--av-*`` flags.
+
+    Raises:
+        UsageError: a value out of range, naming its flag.
+    """
+    return _config_of(AVConfig, args)
+
+
+def _adaptive(args, target, draft, batch_size: int, draft_log=None):
+    """Estimator + cost table (loaded from --av-cost-table when the file exists, else profiled); pruning with
+    ``--adaptive-verification``, else the estimator only runs (for ``--log-drafts``, written to ``draft_log``)."""
     from pathlib import Path
 
     from ..budget import CostTable
     from ..engine.adaptive import AdaptiveVerification, profile_engine_costs
-    from ..estimator import AcceptanceEstimator
 
-    batch_size = args.batch_size if batch_size is None else batch_size
-    path = Path(args.av_cost_table) if args.av_cost_table else None
+    config = av_config(args)
+    path = Path(config.cost_table) if config.cost_table else None
     if path is not None and path.exists():
         try:
             costs = CostTable.load(path)
@@ -367,13 +344,9 @@ def _adaptive(args, target, draft, batch_size: int | None = None):
                                      args.num_draft_tokens)
         if path is not None:
             costs.save(path)
-    estimator = AcceptanceEstimator(
-        args.num_draft_tokens, init_slope=args.av_init_slope, init_intercept=args.av_init_intercept,
-        refit_interval=args.av_refit_interval, damping=args.av_damping,
-    )
-    return AdaptiveVerification(estimator, costs, early_stop=not args.av_no_early_stop,
-                                speculation="on" if args.speculation == "on" else "auto",
-                                probe_interval=args.av_probe_interval, probe_interval_max=args.av_probe_interval_max)
+    return AdaptiveVerification.from_config(args.num_draft_tokens, costs, config, prune=args.adaptive_verification,
+                                            draft_log=draft_log,
+                                            speculation="on" if args.speculation == "on" else "auto")
 
 
 def _warm_up(target, draft) -> None:
@@ -433,25 +406,25 @@ def build_engine(args, max_batch_size: int, ignore_eos: bool = False, error: typ
                     f"({target.vocab_size} tokens)")
     torch.manual_seed(args.seed)
     _warm_up(target, draft)
-    adaptive = _adaptive(args, target, draft, max_batch_size) if (args.adaptive_verification or args.log_drafts) else None
     draft_log = None
     if args.log_drafts:
         try:
             draft_log = open(args.log_drafts, "w", encoding="utf-8")
         except OSError as exc:
             raise error(f"--log-drafts: cannot write {args.log_drafts!r}: {exc.strerror}") from None
-        adaptive.draft_log = draft_log
-        adaptive.prune = args.adaptive_verification
+    adaptive = None
+    if args.adaptive_verification or args.log_drafts:
+        adaptive = _adaptive(args, target, draft, max_batch_size, draft_log)
     tts = None
     if args.tts:
         from ..engine.tts_bridge import EngineTTS
 
-        tts = EngineTTS(draft, _tts_config(args), sampling, asynchronous=not args.tts_sync,
+        tts = EngineTTS(draft, tts_config(args), sampling, asynchronous=not args.tts_sync,
                         max_requests=max_batch_size)
     try:
         engine = SpeculativeEngine(
             target, draft, sampling, args.num_draft_tokens, args.verify, seed=args.seed,
-            verify_impl=args.verify_impl, num_paths=args.num_paths, adaptive=adaptive, tts=tts,
+            verify_impl=args.verify_impl, num_paths=num_paths_of(args), adaptive=adaptive, tts=tts,
             ignore_eos=ignore_eos, packed_forward=args.packed_forward,
             speculation=args.speculation,
         )

@@ -129,6 +129,7 @@ def run(args) -> int:
 
     config = {k: v for k, v in vars(args).items() if k not in ("run", "command", "log_level", "no_progress",
                                                                    "logit_bias_map")}
+    config["num_paths"] = spec_engine.num_paths  # --num-paths or its default
     if adaptive is not None:
         config.update(av_pruned_drafts=adaptive.pruned, av_verified_drafts=adaptive.verified,
                       av_slope=adaptive.estimator.slope, av_intercepts=adaptive.estimator.intercepts.tolist(),

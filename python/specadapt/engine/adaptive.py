@@ -113,8 +113,8 @@ def profile_engine_costs(target, draft: Draft | None, max_tokens: int, max_reque
 def _draft_round_ms(target, draft: Draft, requests: int, num_drafts: int, repeats: int, context: int) -> float:
     """Median ms of one drafting round of ``requests`` rows through ``draft`` (its own cache and sampling)."""
     histories = [[1 + (i + r) % 7 for i in range(context)] for r in range(requests)]
-    saved = draft.draft_filter, draft.row_seeds, draft.history_counts, draft.row_sampling, draft.context_capacity
-    draft.draft_filter, draft.history_counts, draft.row_sampling = None, None, None
+    saved = draft.row_seeds, draft.history_counts, draft.row_sampling, draft.context_capacity
+    draft.history_counts, draft.row_sampling = None, None
     draft.row_seeds = torch.arange(requests, dtype=torch.int64)
     draft.context_capacity = context + (num_drafts + 2) * (3 * repeats + 8)
     hidden = 3 * target.model.config.hidden_size if draft.needs_target_hidden else 0
@@ -133,4 +133,4 @@ def _draft_round_ms(target, draft: Draft, requests: int, num_drafts: int, repeat
 
         return _median_ms(one_round, 3 * repeats, warmup=3)
     finally:
-        draft.draft_filter, draft.row_seeds, draft.history_counts, draft.row_sampling, draft.context_capacity = saved
+        draft.row_seeds, draft.history_counts, draft.row_sampling, draft.context_capacity = saved

@@ -70,8 +70,14 @@ class Draft:
     def start(self, histories: list[list[int]]) -> None:
         """Begin a batch; ``histories[r]`` is request ``r``'s prompt."""
 
-    def propose(self, histories: list[list[int]], max_tokens: torch.Tensor, vocab_size: int) -> DraftProposal:
-        """Propose up to ``max_tokens[r]`` tokens after ``histories[r]`` (the committed tokens)."""
+    def propose(self, histories: list[list[int]], max_tokens: torch.Tensor, vocab_size: int,
+                draft_filter=None) -> DraftProposal:
+        """Propose up to ``max_tokens[r]`` tokens after ``histories[r]`` (the committed tokens).
+
+        ``draft_filter``: optional early stop of drafting, ``(step, probs [B, step+1, V], num [B]) -> caps [B]
+        int64`` (the engine passes ``AdaptiveVerification.draft_caps``); model drafts consult it after each
+        position (:func:`apply_draft_filter`) and drafting ends when no row goes on; drafts without a model
+        ignore it."""
         raise NotImplementedError
 
     def commit(self, accept_len: torch.Tensor) -> None:
@@ -91,11 +97,6 @@ class Draft:
     #: else ``None``. A model draft extends it with its own drafts, so draft ``i + 1`` is sampled with the history
     #: committed + ``drafts[:i]``, the history the target's verify row ``i`` sees.
     history_counts = None
-
-    #: Optional early stop of drafting, ``(step, probs [B, step+1, V], num [B]) -> caps [B] int64`` (see
-    #: ``AdaptiveVerification.draft_caps``). Model drafts consult it after each position
-    #: (:func:`apply_draft_filter`); drafting ends when no row goes on.
-    draft_filter = None
 
     def target_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Features this draft takes from the target's ``hidden_states`` (only when ``needs_target_hidden``)."""
@@ -194,7 +195,7 @@ class NoDraft(Draft):
 
     name = "none"
 
-    def propose(self, histories, max_tokens, vocab_size):
+    def propose(self, histories, max_tokens, vocab_size, draft_filter=None):
         return empty_proposal(len(histories), 0, vocab_size)
 
 
@@ -235,7 +236,7 @@ class NgramDraft(Draft):
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-    def propose(self, histories, max_tokens, vocab_size):
+    def propose(self, histories, max_tokens, vocab_size, draft_filter=None):
         batch = len(histories)
         length = int(max_tokens.max()) if batch else 0
         proposal = empty_proposal(batch, length, vocab_size)
@@ -286,7 +287,7 @@ class ModelDraft(Draft):
             ids, counts = pad_token_lists(prefix)
             self.kv.forward(ids, counts, logits_to_keep=1)
 
-    def propose(self, histories, max_tokens, vocab_size):
+    def propose(self, histories, max_tokens, vocab_size, draft_filter=None):
         assert self.kv is not None, "start() must be called first"
         batch = len(histories)
         length = int(max_tokens.max()) if batch else 0
@@ -305,7 +306,7 @@ class ModelDraft(Draft):
             proposal.probs[:, i] = q.cpu()
             if history is not None:
                 history.add_(token)
-            if not apply_draft_filter(self.draft_filter, proposal, i):
+            if not apply_draft_filter(draft_filter, proposal, i):
                 break
             if i + 1 < length:
                 last = self.kv.forward(token[:, None], torch.ones(batch, dtype=torch.int64))[:, -1]

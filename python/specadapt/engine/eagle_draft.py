@@ -138,7 +138,7 @@ class EagleDraft(Draft):
         out = self.kv.forward(tokens[:, None], torch.ones(tokens.shape[0], dtype=torch.int64), return_outputs=True, features=g[:, None])
         return out.hidden[:, -1], out.logits[:, -1].float()
 
-    def propose(self, histories, max_tokens, vocab_size) -> DraftProposal:
+    def propose(self, histories, max_tokens, vocab_size, draft_filter=None) -> DraftProposal:
         assert self.kv is not None, "start() must be called first"
         batch = len(histories)
         drafting = max_tokens.to(torch.int64) > 0
@@ -162,7 +162,7 @@ class EagleDraft(Draft):
                 history.add_(token)
             proposal.tokens[:, i] = token
             proposal.probs[:, i].index_copy_(1, vocab, q)
-            if not apply_draft_filter(self.draft_filter, proposal, i):
+            if not apply_draft_filter(draft_filter, proposal, i):
                 break
             if i + 1 < length:
                 g, logits = self._step(token, g)

@@ -200,7 +200,7 @@ class SpeculativeEngine:
         self.num_paths = num_paths
         self.adaptive = adaptive
         # early stop of drafting (exact: the same caps as drafting everything) for model drafts
-        draft.draft_filter = adaptive.draft_caps if adaptive is not None and adaptive.early_stop else None
+        self._draft_filter = adaptive.draft_caps if adaptive is not None and adaptive.early_stop else None
         self.tts = tts  # an engine.tts_bridge.EngineTTS or None
         if verify_impl not in kernels.IMPLEMENTATIONS:
             raise ValueError(f"verify_impl must be one of {kernels.IMPLEMENTATIONS}, got {verify_impl!r}")
@@ -535,7 +535,7 @@ class SpeculativeEngine:
         if self._round_limit is not None:  # adaptive verification: speculation off (0) or a probe round
             max_drafts = torch.clamp(max_drafts, max=self._round_limit)
         self.draft.history_counts = self._counts
-        proposal = self.draft.propose(histories, max_drafts, self.vocab_size)
+        proposal = self.draft.propose(histories, max_drafts, self.vocab_size, draft_filter=self._draft_filter)
         n_draft = proposal.num_tokens
         if self.adaptive is not None:
             n_draft, features, predictions = self.adaptive.plan(proposal.probs, n_draft)

@@ -6,12 +6,14 @@ accumulated O(K) statistics. No confidence head is needed; the feature never rea
 pruning on it keeps verification exact.
 """
 
+from .config import EstimatorConfig
 from .estimator import AcceptanceEstimator
 from .features import draft_confidence_feature
 from .irls import irls_accumulate, irls_accumulate_reference, irls_labels, irls_solve
 
 __all__ = [
     "AcceptanceEstimator",
+    "EstimatorConfig",
     "draft_confidence_feature",
     "irls_accumulate",
     "irls_accumulate_reference",

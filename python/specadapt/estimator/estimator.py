@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from .config import EstimatorConfig
 from .irls import irls_accumulate, irls_solve
+
+_D = EstimatorConfig()  # the defaults below are EstimatorConfig's
 
 __all__ = ["AcceptanceEstimator"]
 
@@ -14,29 +17,25 @@ class AcceptanceEstimator:
 
     Args:
         num_positions: K, the largest draft length.
-        init_slope, init_intercept: starting omega and beta_k (0.5 and -0.2: medians reported across pairs).
-        refit_interval: N, decode steps between refits.
-        damping: D of the evidence damping ``n / (n + D)``.
-        ridge: lambda of the Newton system.
-        max_step: trust region of one refit in logit units (see :func:`specadapt.estimator.irls.irls_solve`).
-        accumulate: the accumulate function; default :func:`specadapt.estimator.irls.irls_accumulate` (fused op,
+        init_slope, init_intercept, refit_interval, damping, ridge, max_step: the settings of
+            :class:`~specadapt.estimator.config.EstimatorConfig` (its defaults; :meth:`from_config` takes one).
+        accumulate: the accumulate function; default :func:`specadapt.estimator.irls.irls_accumulate` (the fused op,
             or the float64 reference where it is not built).
 
     Memory is O(K): only the ``[K, 6]`` statistics of the current window are kept, never raw labels.
 
     Raises:
-        ValueError: ``num_positions < 1``, ``refit_interval < 1``, negative damping or ridge.
+        ValueError: ``num_positions < 1``; a setting out of range (a
+            :class:`~specadapt.settings.SettingError` naming the field: ``refit_interval < 1``, negative damping
+            or ridge).
     """
 
-    def __init__(self, num_positions: int, init_slope: float = 0.5, init_intercept: float = -0.2,
-                 refit_interval: int = 100, damping: float = 50.0, ridge: float = 1e-3,
-                 max_step: float = 4.0, accumulate=None) -> None:
+    def __init__(self, num_positions: int, init_slope: float = _D.init_slope, init_intercept: float = _D.init_intercept,
+                 refit_interval: int = _D.refit_interval, damping: float = _D.damping, ridge: float = _D.ridge,
+                 max_step: float = _D.max_step, accumulate=None) -> None:
         if num_positions < 1:
             raise ValueError(f"num_positions must be >= 1, got {num_positions}")
-        if refit_interval < 1:
-            raise ValueError(f"refit_interval must be >= 1, got {refit_interval}")
-        if damping < 0 or ridge < 0:
-            raise ValueError("damping and ridge must be >= 0")
+        EstimatorConfig(refit_interval, damping, init_slope, init_intercept, ridge, max_step)  # validates
         self.slope = float(init_slope)
         self.intercepts = torch.full((num_positions,), float(init_intercept), dtype=torch.float64)
         self.refit_interval = refit_interval
@@ -47,6 +46,13 @@ class AcceptanceEstimator:
         self.stats = torch.zeros(num_positions, 6, dtype=torch.float64)
         self.steps = 0
         self.refits = 0
+
+    @classmethod
+    def from_config(cls, num_positions: int, config: EstimatorConfig, accumulate=None) -> "AcceptanceEstimator":
+        """An estimator of ``num_positions`` positions with the settings of ``config``."""
+        return cls(num_positions, init_slope=config.init_slope, init_intercept=config.init_intercept,
+                   refit_interval=config.refit_interval, damping=config.damping, ridge=config.ridge,
+                   max_step=config.max_step, accumulate=accumulate)
 
     @property
     def num_positions(self) -> int:

@@ -11,6 +11,8 @@ them is verified; verifying fewer drafts with an exact rule stays exact.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..budget import CostTable
@@ -39,18 +41,15 @@ class SGLangAdaptiveVerification:
         if num_drafts < 1:
             raise ValueError(f"adaptive verification needs >= 1 draft per round, got {num_drafts}")
         self.num_drafts = num_drafts
-        estimator = AcceptanceEstimator(
-            num_drafts, init_slope=config.av_init_slope, init_intercept=config.av_init_intercept,
-            refit_interval=config.av_refit_interval, damping=config.av_damping,
-        )
-        if config.av_cost_table:
-            costs = CostTable.load(config.av_cost_table)
+        settings = config.av_config()
+        if settings.cost_table:
+            costs = CostTable.load(settings.cost_table)
         else:  # fixed-width verify: the target costs the same whatever is verified
             costs = CostTable(target_ms=[1.0] * (max_requests * (num_drafts + 1)), draft_ms=[0.0])
         # SGLang's draft graph always runs every step: no early stop, the spec's fixed draft cost, and the next
         # B* ranks every drafted slot's survival (nothing to extrapolate)
-        self.state = AdaptiveVerification(estimator, costs, early_stop=False, budget_from_verified=False,
-                                           speculation="on")
+        self.state = AdaptiveVerification.from_config(num_drafts, costs, replace(settings, early_stop=False),
+                                                      budget_from_verified=False, speculation="on")
         self.broadcast = broadcast
 
     @property

@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, make_dataclass
 from pathlib import Path
 from typing import Any
 
+from ..budget.config import AVConfig
+from ..settings import dataclass_fields_for, flag_message, from_namespace
+from ..tts.config import TTSConfig
 from ..verification.rules import DEFAULT_RULE, RULES
 
 __all__ = [
     "ENV_CONFIG",
     "PluginConfig",
     "PluginConfigError",
+    "TECHNIQUE_CONFIGS",
     "VERIFY_CHOICES",
     "config_from_env",
     "validate_for_server",
@@ -50,62 +54,55 @@ class PluginConfigError(ValueError):
     """A specadapt flag (or flag combination) that cannot work; the message names the flag."""
 
 
+#: The technique settings the plugin exposes: each field whose flag the ``sglang`` front end lists becomes a
+#: ``PluginConfig`` field named as the flag's dest (``--tts-lambda`` -> ``tts_lambda``), with the same default.
+TECHNIQUE_CONFIGS = (AVConfig, TTSConfig)
+
+_TechniqueSettings = make_dataclass(
+    "_TechniqueSettings", [f for cls in TECHNIQUE_CONFIGS for f in dataclass_fields_for(cls, "sglang")], frozen=True)
+
+
 @dataclass(frozen=True)
-class PluginConfig:
+class PluginConfig(_TechniqueSettings):
     """specadapt settings inside an SGLang server (flags in :mod:`specadapt.sglang.flags`).
 
     Attributes:
         verify: ``builtin`` | ``chain`` | ``block`` | ``gbv`` (``--specadapt-verify``).
         num_paths: K draft paths per request for ``gbv`` (``--specadapt-num-paths``; 1 otherwise).
         adaptive_verification: fit the acceptance estimator online and cap each request's verified drafts.
-        av_refit_interval, av_damping, av_init_slope, av_init_intercept: estimator settings, as the embedded
-            engine's ``--av-*`` flags.
-        av_cost_table: JSON cost table (``specadapt.budget.CostTable``) or ``None``: SGLang 0.5.23 verifies
-            EAGLE drafts at a fixed padded width, so by default the verify cost is flat in the verified tokens
-            and the budget keeps every draft (the estimator still fits and reports); a measured table of a
-            ragged-verify deployment makes the caps prune.
         tts: Test-Time Speculation on the draft model.
-        tts_stride, tts_lr, tts_lambda, tts_position_decay, tts_params, tts_lora_rank, tts_rollback_margin,
-            tts_context_window, tts_topk: as the embedded engine's ``--tts-*`` flags (docs/tts.md).
         seed: seed of the coins the plugin draws when SGLang hands it none (DFLASH acceptance).
+        av_*, tts_*: the settings of :class:`~specadapt.budget.config.AVConfig` and
+            :class:`~specadapt.tts.config.TTSConfig` the plugin exposes, named as their flags (``av_refit_interval``,
+            ``tts_stride``, ``tts_lambda``, ...; :data:`TECHNIQUE_CONFIGS`), with their defaults;
+            :meth:`av_config` / :meth:`tts_config` build those records. ``av_cost_table``: a JSON cost table
+            (``specadapt.budget.CostTable``) or ``None``: SGLang 0.5.23 verifies EAGLE drafts at a fixed padded
+            width, so by default the verify cost is flat in the verified tokens and the budget keeps every draft
+            (the estimator still fits and reports); a measured table of a ragged-verify deployment makes the caps
+            prune.
     """
 
     verify: str = "builtin"
     num_paths: int = 1
     adaptive_verification: bool = False
-    av_refit_interval: int = 100
-    av_damping: float = 50.0
-    av_init_slope: float = 0.5
-    av_init_intercept: float = -0.2
-    av_cost_table: str | None = None
     tts: bool = False
-    tts_stride: int = 5
-    tts_lr: float = 3e-5
-    tts_lambda: float = 0.1
-    tts_position_decay: float = 0.8
-    tts_params: str = "full"
-    tts_lora_rank: int = 8
-    tts_rollback_margin: float = 0.5
-    tts_context_window: int = 64
-    tts_topk: int = 0
     seed: int = 0
 
     def __post_init__(self) -> None:
         checks = [
             (self.verify in VERIFY_CHOICES, "--specadapt-verify", f"must be one of {VERIFY_CHOICES}, got {self.verify!r}"),
             (self.num_paths >= 1, "--specadapt-num-paths", f"must be >= 1, got {self.num_paths}"),
-            (self.num_paths == 1 or getattr(RULES.get(self.verify), "multi_path", False), "--specadapt-num-paths",
+            (self.num_paths == 1 or self.multi_path, "--specadapt-num-paths",
              f"is the number of GBV paths; it needs --specadapt-verify gbv (got {self.verify!r} with {self.num_paths} paths)"),
-            (self.av_refit_interval >= 1, "--av-refit-interval", f"must be >= 1, got {self.av_refit_interval}"),
-            (self.av_damping >= 0, "--av-damping", f"must be >= 0, got {self.av_damping}"),
         ]
         for ok, flag, message in checks:
             if not ok:
                 raise PluginConfigError(f"{flag} {message}")
-        try:
-            self.tts_config()  # the tts_* ranges are TTSConfig's (its messages name the flags)
-        except ValueError as exc:
-            raise PluginConfigError(str(exc)) from None
+        for cls in TECHNIQUE_CONFIGS:  # the av_* / tts_* ranges are the technique's (messages name the field)
+            try:
+                from_namespace(cls, self, "sglang")
+            except ValueError as exc:
+                raise PluginConfigError(flag_message(exc, cls, "sglang")) from None
         if self.av_cost_table is not None and not Path(self.av_cost_table).is_file():
             raise PluginConfigError(f"--av-cost-table {self.av_cost_table!r}: no such file")
 
@@ -120,22 +117,23 @@ class PluginConfig:
         return self.verify != "builtin" or self.adaptive_verification
 
     @property
+    def multi_path(self) -> bool:
+        """True when ``verify`` names a multi-path rule of the registry (``gbv``: K sampled paths as SGLang's tree)."""
+        return self.verify in RULES and RULES[self.verify].multi_path
+
+    @property
     def rule(self) -> str:
         """The single-path rule used by the replaced sampler (``builtin`` + adaptive verification = chain)."""
         return DEFAULT_RULE if self.verify == "builtin" else self.verify
 
-    def tts_config(self):
-        """The :class:`specadapt.tts.config.TTSConfig` of the ``tts_*`` settings.
+    def tts_config(self) -> TTSConfig:
+        """The :class:`specadapt.tts.config.TTSConfig` of the ``tts_*`` settings (the plugin exposes no flag for
+        the others: their defaults)."""
+        return from_namespace(TTSConfig, self, "sglang")
 
-        Raises:
-            ValueError: a ``tts_*`` value out of range (the message names the flag).
-        """
-        from ..tts.config import TTSConfig
-
-        return TTSConfig(stride=self.tts_stride, lr=self.tts_lr, proximal_weight=self.tts_lambda,
-                         position_decay=self.tts_position_decay, params=self.tts_params, lora_rank=self.tts_lora_rank,
-                         rollback_margin=self.tts_rollback_margin, context_window=self.tts_context_window,
-                         topk=self.tts_topk)
+    def av_config(self) -> AVConfig:
+        """The :class:`specadapt.budget.config.AVConfig` of the ``av_*`` settings (the others: their defaults)."""
+        return from_namespace(AVConfig, self, "sglang")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-serialisable), the form carried on ``ServerArgs._specadapt``."""
@@ -222,34 +220,34 @@ def validate_for_server(config: PluginConfig, server_args: Any) -> None:
             if value is not None and float(value) != 1.0:
                 raise PluginConfigError(f"{flag} {value}: the specadapt rules are exact rejection rules and take no "
                                         "acceptance thresholds (leave it at 1.0)")
-    if getattr(RULES.get(config.verify), "multi_path", False):  # K sampled paths as SGLang's draft tree
+    if config.multi_path:  # K sampled paths as SGLang's draft tree
         for field, flag, why in (
             ("enable_multi_layer_eagle", "--enable-multi-layer-eagle", "its draft worker has no K-path hooks"),
             ("speculative_adaptive", "--speculative-adaptive", "GBV's draft depth and q-row buffer are fixed"),
         ):
             if _field(server_args, field):
-                raise PluginConfigError(f"--specadapt-verify gbv cannot run with {flag}: {why}")
+                raise PluginConfigError(f"--specadapt-verify {config.verify} cannot run with {flag}: {why}")
         mode = _field(server_args, "disaggregation_mode")
         if mode not in (None, "null"):
             raise PluginConfigError(
-                f"--specadapt-verify gbv cannot run with --disaggregation-mode {mode}: a prefill-decode handover "
+                f"--specadapt-verify {config.verify} cannot run with --disaggregation-mode {mode}: a prefill-decode handover "
                 "carries one draft token and a point-mass q, not K sampled paths")
         pp = _field(server_args, "pp_size")
         if pp is not None and int(pp) > 1:
-            raise PluginConfigError(f"--specadapt-verify gbv supports pipeline parallelism 1 (got --pp-size {pp})")
+            raise PluginConfigError(f"--specadapt-verify {config.verify} supports pipeline parallelism 1 (got --pp-size {pp})")
         if config.num_paths < 2:
-            raise PluginConfigError("--specadapt-verify gbv needs --specadapt-num-paths >= 2 (K = 1 is block verification)")
+            raise PluginConfigError(f"--specadapt-verify {config.verify} needs --specadapt-num-paths >= 2 (K = 1 is block verification)")
         topk = _field(server_args, "speculative_eagle_topk")
         if topk is not None and int(topk) != config.num_paths:
             raise PluginConfigError(
-                f"--specadapt-verify gbv drafts --specadapt-num-paths={config.num_paths} sampled paths as the "
+                f"--specadapt-verify {config.verify} drafts --specadapt-num-paths={config.num_paths} sampled paths as the "
                 f"branches of SGLang's draft tree: set --speculative-eagle-topk {config.num_paths} (got {topk})"
             )
         steps = _field(server_args, "speculative_num_steps")
         tokens = _field(server_args, "speculative_num_draft_tokens")
         if steps is not None and tokens is not None and int(tokens) != config.num_paths * int(steps) + 1:
             raise PluginConfigError(
-                f"--specadapt-verify gbv verifies K={config.num_paths} chains of depth --speculative-num-steps="
+                f"--specadapt-verify {config.verify} verifies K={config.num_paths} chains of depth --speculative-num-steps="
                 f"{steps}: set --speculative-num-draft-tokens {config.num_paths * int(steps) + 1} (got {tokens})"
             )
     if config.tts and _field(server_args, "enable_dp_attention"):

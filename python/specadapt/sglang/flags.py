@@ -1,8 +1,9 @@
 """The plugin's command-line flags, added to SGLang's parser (``python -m sglang.launch_server --help``).
 
 Pure argparse: :func:`add_arguments` adds an argument group, :func:`config_from_namespace` turns the parsed
-namespace into a :class:`~specadapt.sglang.config.PluginConfig`. Defaults come from ``PluginConfig`` so the
-CLI, the JSON file and the environment variable agree. ``--specadapt-config PATH`` loads a JSON object of the
+namespace into a :class:`~specadapt.sglang.config.PluginConfig`. Defaults come from ``PluginConfig`` (whose
+technique settings are AVConfig's and TTSConfig's) so the CLI, the JSON file, the environment variable and the
+embedded engine's flags agree. ``--specadapt-config PATH`` loads a JSON object of the
 same settings (the flags given explicitly win).
 """
 
@@ -11,40 +12,34 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
+from .. import settings
+from ..budget.config import AVConfig
+from ..settings import flags_of
+from ..tts.config import TTSConfig
 from ..verification.rules import RULES, join_names
-from .config import VERIFY_CHOICES, PluginConfig, PluginConfigError
+from .config import TECHNIQUE_CONFIGS, VERIFY_CHOICES, PluginConfig, PluginConfigError
 
 __all__ = ["FLAG_DESTS", "add_arguments", "config_from_namespace"]
 
 _D = PluginConfig()
 
-#: argparse dest -> PluginConfig field, for every flag the plugin adds (``specadapt_config`` is the file).
+#: argparse dest -> PluginConfig field, for every flag the plugin adds (``specadapt_config`` is the file): its own
+#: flags, then the technique settings' (generated from AVConfig / TTSConfig; dest = field name).
 FLAG_DESTS = {
     "specadapt_verify": "verify",
     "specadapt_num_paths": "num_paths",
     "specadapt_seed": "seed",
     "adaptive_verification": "adaptive_verification",
-    "av_refit_interval": "av_refit_interval",
-    "av_damping": "av_damping",
-    "av_init_slope": "av_init_slope",
-    "av_init_intercept": "av_init_intercept",
-    "av_cost_table": "av_cost_table",
     "tts": "tts",
-    "tts_stride": "tts_stride",
-    "tts_lr": "tts_lr",
-    "tts_lambda": "tts_lambda",
-    "tts_position_decay": "tts_position_decay",
-    "tts_params": "tts_params",
-    "tts_lora_rank": "tts_lora_rank",
-    "tts_rollback_margin": "tts_rollback_margin",
-    "tts_context_window": "tts_context_window",
-    "tts_topk": "tts_topk",
+    **{f.dest: f.dest for cls in TECHNIQUE_CONFIGS for f in flags_of(cls, "sglang")},
 }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``specadapt`` argument group. Every default is ``None`` so that explicit flags can be told
-    apart from defaults when merged over ``--specadapt-config``; the help text shows the effective default."""
+    apart from defaults when merged over ``--specadapt-config``; the help text shows the effective default.
+    The ``--av-*`` / ``--tts-*`` flags are generated from :class:`~specadapt.budget.config.AVConfig` and
+    :class:`~specadapt.tts.config.TTSConfig` (:func:`specadapt.settings.add_arguments`)."""
     g = parser.add_argument_group(
         "specadapt plugin",
         "Long-generation speculative decoding (Test-Time Speculation, adaptive verification, block / GBV "
@@ -61,31 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--specadapt-seed", type=int, default=None, help=f"seed of plugin-drawn coins (default {_D.seed})")
     g.add_argument("--adaptive-verification", action="store_true", default=None,
                    help="online-fitted acceptance estimator caps the drafts each request verifies")
-    g.add_argument("--av-refit-interval", type=int, default=None,
-                   help=f"verify rounds between IRLS refits (default {_D.av_refit_interval})")
-    g.add_argument("--av-damping", type=float, default=None, help=f"evidence damping D (default {_D.av_damping})")
-    g.add_argument("--av-init-slope", type=float, default=None, help=f"starting slope (default {_D.av_init_slope})")
-    g.add_argument("--av-init-intercept", type=float, default=None,
-                   help=f"starting intercept (default {_D.av_init_intercept})")
-    g.add_argument("--av-cost-table", default=None, metavar="PATH",
-                   help="target/draft cost table JSON (specadapt generate --av-cost-table writes one)")
+    settings.add_arguments(g, AVConfig, "sglang", explicit_only=True)
     g.add_argument("--tts", action="store_true", default=None,
                    help="Test-Time Speculation: distil the draft model online from the target's verification pass")
-    g.add_argument("--tts-stride", type=int, default=None, help=f"rounds between draft updates S (default {_D.tts_stride})")
-    g.add_argument("--tts-lr", type=float, default=None, help=f"Adam learning rate (default {_D.tts_lr})")
-    g.add_argument("--tts-lambda", type=float, default=None, help=f"proximal-term weight (default {_D.tts_lambda})")
-    g.add_argument("--tts-position-decay", type=float, default=None,
-                   help=f"position weights gamma^(k-1) (default {_D.tts_position_decay})")
-    g.add_argument("--tts-params", choices=("full", "lora"), default=None,
-                   help=f"train the draft's own layers or LoRA adapters (default {_D.tts_params})")
-    g.add_argument("--tts-lora-rank", type=int, default=None, help=f"LoRA rank (default {_D.tts_lora_rank})")
-    g.add_argument("--tts-rollback-margin", type=float, default=None,
-                   help=f"roll back when acceptance falls below (1 - margin) x baseline (default {_D.tts_rollback_margin})")
-    g.add_argument("--tts-context-window", type=int, default=None,
-                   help=f"committed tokens of context the training forward sees (default {_D.tts_context_window})")
-    g.add_argument("--tts-topk", type=int, default=None,
-                   help=f"keep the target's top-k per supervised position in snapshots; 0 = full vocabulary "
-                        f"(default {_D.tts_topk})")
+    settings.add_arguments(g, TTSConfig, "sglang", explicit_only=True)
 
 
 def config_from_namespace(args: argparse.Namespace) -> PluginConfig:

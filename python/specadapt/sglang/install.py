@@ -73,7 +73,7 @@ def build_state(scheduler: Any, config: PluginConfig, asynchronous_tts: bool = T
         student = build_student(draft_model, draft_model.config, config.tts_params, config.tts_lora_rank,
                                 tp=tensor_parallel())
         state.tts = SGLangTTS(student, config, asynchronous=asynchronous_tts)
-    if config.verify == "gbv" and algorithm in EAGLE_FAMILY:
+    if config.multi_path and algorithm in EAGLE_FAMILY:
         topk = resolved(server_args, "speculative_eagle_topk")
         if topk is not None and int(topk) != config.num_paths:
             raise RuntimeError(f"specadapt GBV: the server resolved --speculative-eagle-topk {topk}, not "

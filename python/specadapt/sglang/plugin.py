@@ -95,7 +95,7 @@ def _after_from_cli_args(result, *args, **kwargs):
 
 
 def _describe(config: PluginConfig) -> str:
-    parts = [f"verify={config.verify}" + (f" K={config.num_paths}" if config.verify == "gbv" else "")]
+    parts = [f"verify={config.verify}" + (f" K={config.num_paths}" if config.multi_path else "")]
     if config.adaptive_verification:
         parts.append("adaptive verification")
     if config.tts:
@@ -114,7 +114,7 @@ def _resolve_speculative(server_args, previous) -> None:
     validate_for_server(config, view)
     algo = str(view.speculative_algorithm or "").upper()
     needs_q = config.replaces_verification and algo in ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
-    if needs_q and config.verify == "gbv":
+    if needs_q and config.multi_path:
         # K sampled chains as the branches of SGLang's top-K tree, every node kept (gbv.py); SGLang's own check
         # refuses rejection sampling with a top-k above 1 (its chain kernel's need): hide the flag from it.
         steps = int(view.speculative_num_steps or DEFAULT_CHAIN_STEPS)

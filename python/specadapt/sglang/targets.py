@@ -77,7 +77,7 @@ def plan_targets(config: PluginConfig, algorithm: str) -> list[Target]:
         targets.append((ALLOC_POOL, "AROUND", alloc_memory_pool_around))
         targets.append((DRAFT_SAMPLER, "AROUND", sample_draft_proposal_around))
         targets.append((EXTEND_PREFILL, "AROUND", draft_extend_for_prefill_around))
-    if eagle and config.verify == "gbv":
+    if eagle and config.multi_path:
         targets.append((EXTEND_DECODE, "AROUND", draft_extend_for_decode_around))
     if config.replaces_verification and (eagle or algorithm == "DFLASH"):
         targets.append((ADD_REQUEST, "AROUND", add_request_around))
@@ -86,6 +86,6 @@ def plan_targets(config: PluginConfig, algorithm: str) -> list[Target]:
 
 def pre_worker_targets(config: PluginConfig) -> list[Target]:
     """Hooks the speculative worker's constructor needs, installed before it runs (no sglang import)."""
-    if config.verify == "gbv":
+    if config.multi_path:
         return [(DRAFT_WORKER_INIT, "AROUND", draft_worker_init_around)]
     return []

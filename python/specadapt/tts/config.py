@@ -1,8 +1,11 @@
-"""Settings of Test-Time Speculation (``--tts*`` flags); defaults and why (specs/tts.md marks "ours")."""
+"""Settings of Test-Time Speculation (the ``--tts-*`` flags of both front ends, generated from the fields here);
+defaults and why (specs/tts.md marks "ours")."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from ..settings import check_choices, require, setting
 
 __all__ = ["TTSConfig"]
 
@@ -38,42 +41,53 @@ class TTSConfig:
             snapshots keep only the target's top-k probabilities per position (and the drafting rows' top-k for
             the proximal term), renormalised, as values + indices: snapshot memory falls by about ``V / (2k)``
             (the spec's memory-saving flag); the KL is then taken against the truncated teacher.
+
+    Raises:
+        SettingError (a ValueError): a value out of range, naming the field.
     """
 
-    stride: int = 5
-    lr: float = 3e-5
-    proximal_weight: float = 0.1
-    position_decay: float = 0.8
-    params: str = "full"
-    lora_rank: int = 8
-    scope: str = "shared"
-    supervise: str = "accepted"
-    rounds: str = "all"
-    grad_clip: float = 1.0
-    rollback_margin: float = 0.5
-    rollback_window: int = 32
-    context_window: int = 64
-    topk: int = 0
+    stride: int = setting(5, flag="--tts-stride",
+                          help="S, rounds between updates (the paper's best throughput used 5; 1 maximises acceptance)")
+    lr: float = setting(3e-5, flag="--tts-lr",
+                        help="Adam learning rate (measured on the shipped head: 3e-5 > 1e-4 > none > 1e-3, "
+                             "docs/tts.md)")
+    proximal_weight: float = setting(0.1, flag="--tts-lambda",
+                                     help="weight of the proximal KL(q_t || q) term (acts on stale asynchronous steps)")
+    position_decay: float = setting(0.8, flag="--tts-position-decay", help="gamma of the position weights gamma^(k-1)")
+    params: str = setting("full", flag="--tts-params", choices=("full", "lora"),
+                          help="train the draft's own layers, or low-rank adapters on them")
+    lora_rank: int = setting(8, flag="--tts-lora-rank", help="adapter rank for --tts-params lora")
+    scope: str = setting("shared", flag="--tts-scope", choices=("shared", "request"), fronts=("engine",),
+                         help="one draft adapting on all traffic, or per-request LoRA adapters (with --tts-params "
+                              "lora)")
+    supervise: str = setting("accepted", flag="--tts-supervise", choices=("accepted", "canvas"), fronts=("engine",),
+                             help="positions supervised: up to the first rejection plus one, or every verified "
+                                  "position")
+    rounds: str = setting("all", flag="--tts-rounds", choices=("all", "latest"), fronts=("engine",),
+                          help="an update trains on every round since the previous one, or on the latest round only")
+    grad_clip: float = setting(1.0)
+    rollback_margin: float = setting(0.5, flag="--tts-rollback-margin",
+                                     help="roll back when the rolling acceptance length < (1 - margin) x the "
+                                          "pre-adaptation one")
+    rollback_window: int = setting(32)
+    context_window: int = setting(64, flag="--tts-context-window",
+                                  help="committed tokens of context the differentiable draft forward sees")
+    topk: int = setting(0, flag="--tts-topk",
+                        help="keep only the target's top-k probabilities per supervised position in the snapshots "
+                             "(0: the full vocabulary, exact KL; k > 0 saves snapshot memory)")
 
     def __post_init__(self) -> None:
-        checks = [
-            (self.stride >= 1, f"--tts-stride must be >= 1, got {self.stride}"),
-            (self.lr > 0, f"--tts-lr must be > 0, got {self.lr}"),
-            (self.proximal_weight >= 0, f"--tts-lambda must be >= 0, got {self.proximal_weight}"),
-            (0 < self.position_decay <= 1, f"--tts-position-decay must lie in (0, 1], got {self.position_decay}"),
-            (self.params in ("full", "lora"), f"--tts-params must be full or lora, got {self.params!r}"),
-            (self.lora_rank >= 1, f"--tts-lora-rank must be >= 1, got {self.lora_rank}"),
-            (self.scope in ("shared", "request"), f"--tts-scope must be shared or request, got {self.scope!r}"),
-            (self.scope == "shared" or self.params == "lora",
-             "--tts-scope request must come with --tts-params lora (per-request low-rank adapters)"),
-            (self.supervise in ("accepted", "canvas"), f"--tts-supervise must be accepted or canvas, got {self.supervise!r}"),
-            (self.rounds in ("all", "latest"), f"--tts-rounds must be all or latest, got {self.rounds!r}"),
-            (self.grad_clip > 0, f"TTS grad_clip must be > 0, got {self.grad_clip}"),
-            (0 < self.rollback_margin <= 1, f"--tts-rollback-margin must lie in (0, 1], got {self.rollback_margin}"),
-            (self.rollback_window >= 1, f"TTS rollback_window must be >= 1, got {self.rollback_window}"),
-            (self.context_window >= 1, f"--tts-context-window must be >= 1, got {self.context_window}"),
-            (self.topk >= 0, f"--tts-topk must be >= 0 (0 = the full vocabulary), got {self.topk}"),
-        ]
-        for ok, message in checks:  # messages name the CLI flag of each setting (shared by every front end)
-            if not ok:
-                raise ValueError(message)
+        # messages name the field; a front end rewords them with its flag (specadapt.settings.flag_message)
+        check_choices(self)
+        require(self.stride >= 1, "stride", f"must be >= 1, got {self.stride}")
+        require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        require(self.proximal_weight >= 0, "proximal_weight", f"must be >= 0, got {self.proximal_weight}")
+        require(0 < self.position_decay <= 1, "position_decay", f"must lie in (0, 1], got {self.position_decay}")
+        require(self.lora_rank >= 1, "lora_rank", f"must be >= 1, got {self.lora_rank}")
+        require(self.scope == "shared" or self.params == "lora", "scope",
+                "request must come with {params} lora (per-request low-rank adapters)", "params")
+        require(self.grad_clip > 0, "grad_clip", f"must be > 0, got {self.grad_clip}")
+        require(0 < self.rollback_margin <= 1, "rollback_margin", f"must lie in (0, 1], got {self.rollback_margin}")
+        require(self.rollback_window >= 1, "rollback_window", f"must be >= 1, got {self.rollback_window}")
+        require(self.context_window >= 1, "context_window", f"must be >= 1, got {self.context_window}")
+        require(self.topk >= 0, "topk", f"must be >= 0 (0 = the full vocabulary), got {self.topk}")

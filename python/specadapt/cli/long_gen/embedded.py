@@ -90,16 +90,16 @@ def run_embedded(args, prompts) -> tuple[list[dict], float, dict, list[dict], fl
 
     torch.manual_seed(g.seed)
     eng._warm_up(target, draft)
-    adaptive = eng._adaptive(g, target, draft) if g.adaptive_verification else None
+    adaptive = eng._adaptive(g, target, draft, g.batch_size) if g.adaptive_verification else None
     tts = None
     if g.tts:
         from specadapt.engine.tts_bridge import EngineTTS
 
-        tts = EngineTTS(draft, eng._tts_config(g), sampling, asynchronous=not g.tts_sync, max_requests=g.batch_size)
+        tts = EngineTTS(draft, eng.tts_config(g), sampling, asynchronous=not g.tts_sync, max_requests=g.batch_size)
     try:
         engine = SpeculativeEngine(
             target, draft, sampling, g.num_draft_tokens, g.verify, seed=g.seed, verify_impl=g.verify_impl,
-            num_paths=g.num_paths, adaptive=adaptive, tts=tts, ignore_eos=g.ignore_eos,
+            num_paths=eng.num_paths_of(g), adaptive=adaptive, tts=tts, ignore_eos=g.ignore_eos,
         )
     except ValueError as exc:
         raise ArgumentError(f"--verify: {exc}") from None

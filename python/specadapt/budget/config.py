@@ -1,0 +1,63 @@
+"""Settings of adaptive verification (the ``--av-*`` flags of both front ends, generated from the fields here):
+the estimator's (:class:`~specadapt.estimator.config.EstimatorConfig`), the budget's and the cost model's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..estimator.config import EstimatorConfig
+from ..settings import nested, require, setting
+
+__all__ = ["AVConfig"]
+
+
+@dataclass(frozen=True)
+class AVConfig:
+    """Adaptive-verification settings (:class:`~specadapt.budget.adaptive.AdaptiveVerification`).
+
+    Attributes:
+        estimator: the acceptance estimator's settings (refit interval, damping, starting coefficients).
+        early_stop: let model drafts stop drafting rows whose next slot falls outside the budget
+            (:meth:`~specadapt.budget.adaptive.AdaptiveVerification.draft_caps`; same caps, less work).
+        probe_interval, probe_interval_max: with speculation switched off, rounds before a probe round, and the
+            cap of its doubling.
+        probe_depth: drafts per request a probe round verifies (unpruned).
+        online_overhead: learn the ms a round costs beyond the cost table's forwards from measured rounds.
+        overhead_weight: weight of the newest residual in that exponential average.
+        max_cost_samples: most ``(predicted, measured, calibrated)`` round times kept for the cost-model report.
+        cost_table: path of a JSON cost table (:class:`~specadapt.budget.CostTable`), or ``None``; what a front
+            end does with it (load or profile and save; load only) is its own.
+
+    Raises:
+        SettingError (a ValueError): a value out of range, naming the field.
+    """
+
+    estimator: EstimatorConfig = nested(EstimatorConfig)
+    early_stop: bool = setting(True, flag="--av-no-early-stop", negate=True, fronts=("engine",),
+                               help="draft every position even when the budget cannot verify it (default: model "
+                                    "drafts stop a request's drafting at its first slot outside the budget; same "
+                                    "caps, less work)")
+    probe_interval: int = setting(4, flag="--av-probe-interval", fronts=("engine",),
+                                  help="with speculation switched off: rounds before a probe round (one draft per "
+                                       "request, verified) tests whether it pays again; doubles after each probe that "
+                                       "keeps it off")
+    probe_interval_max: int = setting(64, flag="--av-probe-interval-max", fronts=("engine",),
+                                      help="cap of the doubling probe interval (worst case about 1 probe round in "
+                                           "this many)")
+    probe_depth: int = setting(1)
+    online_overhead: bool = setting(True)
+    overhead_weight: float = setting(0.1)
+    max_cost_samples: int = setting(100_000)
+    cost_table: str | None = setting(None, flag="--av-cost-table", metavar="PATH", type=str, help={
+        "engine": "load the cost table from PATH if it exists, else profile it at start-up and save it there",
+        "sglang": "target/draft cost table JSON (specadapt generate --av-cost-table writes one)",
+    })
+
+    def __post_init__(self) -> None:
+        require(self.probe_interval >= 1, "probe_interval", f"must be >= 1, got {self.probe_interval}")
+        require(self.probe_interval_max >= self.probe_interval, "probe_interval_max",
+                f"must be >= {{probe_interval}} ({self.probe_interval}), got {self.probe_interval_max}",
+                "probe_interval")
+        require(self.probe_depth >= 1, "probe_depth", f"must be >= 1, got {self.probe_depth}")
+        require(0 < self.overhead_weight <= 1, "overhead_weight", f"must lie in (0, 1], got {self.overhead_weight}")
+        require(self.max_cost_samples >= 0, "max_cost_samples", f"must be >= 0, got {self.max_cost_samples}")
