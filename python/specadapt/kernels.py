@@ -256,30 +256,33 @@ def verify(
             :func:`check_device_errors` (after every launch in debug mode, :func:`set_debug`).
     """
     spec = _rule(rule, multi_path=False)
+    tensors = (candidates, target_probs, draft_probs, uniforms, uniforms_final)
+    return _dispatch(spec, tensors, (num_draft_tokens,), impl, debug, VerifyOutput,
+                     lambda cuda_jit: functools.partial(cuda_jit.verify, spec.name))
+
+
+def _dispatch(spec: VerificationRule, tensors: tuple, extra: tuple, impl: str, debug: bool, output_type, jit_entry):
+    """Run ``spec``'s reference, compiled op or CuPy JIT pipeline (``jit_entry(cuda_jit)``) on ``tensors``
+    (candidates, target_probs, draft_probs, uniforms, uniforms_final) plus the op's ``extra`` arguments; on CUDA
+    the launch gets its device error flag (:mod:`specadapt.kernel_errors`)."""
+    target_probs = tensors[1]
     if not isinstance(target_probs, torch.Tensor):
         raise TypeError(f"target_probs must be a torch.Tensor, got {type(target_probs).__name__}")
     chosen = choose_implementation(spec.op, impl, target_probs.device, target_probs.dtype)
     if chosen == "reference":
-        return spec.reference(
-            candidates, target_probs, draft_probs, uniforms, uniforms_final, num_draft_tokens, debug=debug
-        )
+        return spec.reference(*tensors, *extra, debug=debug)
     if debug:
         _check_finite_target(target_probs)
+    error = _error_flag(spec.op, target_probs)
     if chosen == "cupy":
         from . import cuda_jit
 
-        cuda_jit.check_args(candidates, target_probs, draft_probs, uniforms, uniforms_final)
-        out = VerifyOutput(*cuda_jit.verify(spec.name, candidates, target_probs, draft_probs, uniforms,
-                                            uniforms_final, num_draft_tokens, error=_error_flag(spec.op, target_probs)))
-        kernel_errors.after_launch(spec.op, target_probs.device)
-        return out
-    op = getattr(torch.ops.specadapt, spec.op)
-    accept_len, output_tokens = _call_op(
-        op, candidates, target_probs, draft_probs, uniforms, uniforms_final, num_draft_tokens,
-        _error_flag(spec.op, target_probs),
-    )
+        cuda_jit.check_args(*tensors, paths=spec.multi_path)
+        out = output_type(*jit_entry(cuda_jit)(*tensors, *extra, error=error))
+    else:
+        out = output_type(*_call_op(getattr(torch.ops.specadapt, spec.op), *tensors, *extra, error))
     _after_launch(spec.op, target_probs)
-    return VerifyOutput(accept_len=accept_len, output_tokens=output_tokens)
+    return out
 
 
 def _rule(rule: str, multi_path: bool) -> VerificationRule:
@@ -312,28 +315,9 @@ def verify_paths(
         ValueError: unknown or single-path rule; otherwise as :func:`verify`.
     """
     spec = _rule(rule, multi_path=True)
-    if not isinstance(target_probs, torch.Tensor):
-        raise TypeError(f"target_probs must be a torch.Tensor, got {type(target_probs).__name__}")
-    chosen = choose_implementation(spec.op, impl, target_probs.device, target_probs.dtype)
-    if chosen == "reference":
-        return spec.reference(candidates, target_probs, draft_probs, uniforms, uniforms_final, debug=debug)
-    if debug:
-        _check_finite_target(target_probs)
-    if chosen == "cupy":
-        from . import cuda_jit
-
-        cuda_jit.check_args(candidates, target_probs, draft_probs, uniforms, uniforms_final, paths=True)
-        pipeline = getattr(cuda_jit, spec.op)  # the rule's host pipeline of JIT kernels
-        out = GBVOutput(*pipeline(candidates, target_probs, draft_probs, uniforms, uniforms_final,
-                                  error=_error_flag(spec.op, target_probs)))
-        kernel_errors.after_launch(spec.op, target_probs.device)
-        return out
-    accept_len, output_tokens, chosen = _call_op(
-        getattr(torch.ops.specadapt, spec.op), candidates, target_probs, draft_probs, uniforms, uniforms_final,
-        _error_flag(spec.op, target_probs),
-    )
-    _after_launch(spec.op, target_probs)
-    return GBVOutput(accept_len, output_tokens, chosen)
+    tensors = (candidates, target_probs, draft_probs, uniforms, uniforms_final)
+    # the rule's host pipeline of JIT kernels is named like its op (cuda_jit.gbv_verify)
+    return _dispatch(spec, tensors, (), impl, debug, GBVOutput, lambda cuda_jit: getattr(cuda_jit, spec.op))
 
 
 def gbv_verify(
