@@ -19,7 +19,7 @@ def top_k_rows(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         ValueError: ``k`` outside ``[1, V]``.
     """
     if not 1 <= k <= rows.shape[-1]:
-        raise ValueError(f"--tts-topk must lie in [1, V] = [1, {rows.shape[-1]}] to truncate, got {k}")
+        raise ValueError(f"k (TTSConfig.topk) must lie in [1, V] = [1, {rows.shape[-1]}] to truncate, got {k}")
     values, indices = rows.float().topk(k, dim=-1)
     mass = values.sum(dim=-1, keepdim=True)
     values = torch.where(mass > 0, values / mass.clamp_min(1e-30), torch.zeros((), device=values.device))
