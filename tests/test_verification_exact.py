@@ -1,4 +1,4 @@
-"""Losslessness of chain and block verification (specs/verification.md section 6).
+"""Losslessness of chain and block verification (docs/design/specs/verification.md section 6).
 
 Exact: the law of the first L+1 emitted tokens, enumerated over every draft path with the coins integrated out,
 equals the target's joint law to 1e-12 in float64. Statistical: the coin-driven batch functions reproduce the

@@ -1,4 +1,4 @@
-"""Bad input and numerics of the verification rules (specs/verification.md section 5)."""
+"""Bad input and numerics of the verification rules (docs/design/specs/verification.md section 5)."""
 
 import pytest
 import torch

@@ -129,7 +129,7 @@ def block_residual_mass(
 ) -> torch.Tensor:
     """Block-verification residual reduction ``Z[n] = sum_v max(w[n] p[n, v] - q[n, v], 0)``.
 
-    Sun et al., arXiv 2403.10444, Algorithm 2 (the ``Z_i`` of specs/verification.md section 2).
+    Sun et al., arXiv 2403.10444, Algorithm 2 (the ``Z_i`` of docs/design/specs/verification.md section 2).
 
     Args:
         target_probs: ``[N, V]`` float32 or bfloat16.

@@ -1,4 +1,4 @@
-"""Per-request verification budget for adaptive verification (specs/adaptive_verification.md section 5)."""
+"""Per-request verification budget for adaptive verification (docs/design/specs/adaptive_verification.md section 5)."""
 
 from .budget import allocate_prefixes, choose_budget, survival
 from .costs import CostTable

@@ -1,4 +1,4 @@
-"""Choosing how many draft tokens each request verifies (specs/adaptive_verification.md section 5).
+"""Choosing how many draft tokens each request verifies (docs/design/specs/adaptive_verification.md section 5).
 
 Survival ``S[r, k] = prod_{j <= k} p_j(r)`` is the estimated probability that draft ``k`` of request ``r`` is
 accepted. With ``B`` draft slots verified across the batch, expected tokens are ``E(B) = N_req + (sum of the B

@@ -1,6 +1,6 @@
 """The batched speculative decoding loop of the embedded engine.
 
-One round, for every active request at once (specs/verification.md):
+One round, for every active request at once (docs/design/specs/verification.md):
 
 1. the draft proposes ``L_r <= L`` tokens per request, keeping the ``q`` rows they were sampled from;
 2. the target scores ``[last committed token, drafts...]`` in ONE forward (a ragged chunk: row ``r`` holds

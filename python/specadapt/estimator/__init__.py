@@ -1,4 +1,4 @@
-"""Online acceptance estimator for adaptive verification (specs/adaptive_verification.md).
+"""Online acceptance estimator for adaptive verification (docs/design/specs/adaptive_verification.md).
 
 A logistic model ``P(draft k accepted | chain reached k) = sigmoid(omega * f + beta_k)`` over the feature
 ``f = logit(q_max)`` of the draft distribution, fitted online by IRLS (Newton on the log-loss) from

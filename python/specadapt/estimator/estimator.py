@@ -13,7 +13,7 @@ __all__ = ["AcceptanceEstimator"]
 
 
 class AcceptanceEstimator:
-    """``p_k = sigmoid(omega * f + beta_k)``, fitted online by IRLS (specs/adaptive_verification.md).
+    """``p_k = sigmoid(omega * f + beta_k)``, fitted online by IRLS (docs/design/specs/adaptive_verification.md).
 
     Args:
         num_positions: K, the largest draft length.

@@ -15,7 +15,7 @@ def draft_confidence_feature(draft_logits: torch.Tensor, temperature: float) -> 
     """``f = log(q_max / (1 - q_max))`` of ``q = softmax(logits / T)``, clamped to [-40, 40].
 
     Computed as ``-log(sum_{x != argmax} exp(z_x / T - m))`` with ``m = max z / T``, which stays exact when
-    ``q_max`` rounds to 1 (specs/adaptive_verification.md section 1). It depends only on the prefix, never on the
+    ``q_max`` rounds to 1 (docs/design/specs/adaptive_verification.md section 1). It depends only on the prefix, never on the
     sampled token, so pruning on it keeps verification lossless.
 
     Args:

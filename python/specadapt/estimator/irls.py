@@ -6,7 +6,7 @@ feature ``f``, stored prediction ``p`` and label ``y`` (``r = y - p``, ``w = p (
 
     a_k += w f^2,  b_k += w f,  c_k += w,  g0_k += r f,  g1_k += r,  n_k += 1
 
-Labels (specs/adaptive_verification.md section 3): positions up to and including the first rejection;
+Labels (docs/design/specs/adaptive_verification.md section 3): positions up to and including the first rejection;
 accepted = 1, the first rejected = 0; later positions and pruned drafts get no label.
 """
 

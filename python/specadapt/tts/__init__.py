@@ -1,5 +1,5 @@
 """Test-Time Speculation: online distillation of the draft from the target's verification pass
-(Kumar, Sanghavi, Das, arXiv 2605.09329; specs/tts.md).
+(Kumar, Sanghavi, Das, arXiv 2605.09329; docs/design/specs/tts.md).
 
 Pieces: :func:`tts_loss` (forward KL + proximal term with position weights), :class:`TTSUpdater` (shadow copy,
 strided asynchronous steps, publish by in-place copy at a round boundary, rollback), :func:`add_lora`

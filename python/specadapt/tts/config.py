@@ -1,5 +1,5 @@
 """Settings of Test-Time Speculation (the ``--tts-*`` flags of both front ends, generated from the fields here);
-defaults and why (specs/tts.md marks "ours")."""
+defaults and why (docs/design/specs/tts.md marks "ours")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The Test-Time Speculation loss (specs/tts.md, step 3).
+"""The Test-Time Speculation loss (docs/design/specs/tts.md, step 3).
 
 ``L_t(q) = sum_k w_k KL(p_k || q_k) + lambda * sum_k w_k KL(q_t,k || q_k)``, with ``w_k = gamma^(k-1)`` over the
 supervised canvas positions ``k = 1..C`` of one round, averaged over the rounds/requests in an update.

@@ -1,4 +1,4 @@
-"""Top-k truncation of the snapshot rows of Test-Time Speculation (``--tts-topk``; specs/tts.md step 3: "or over
+"""Top-k truncation of the snapshot rows of Test-Time Speculation (``--tts-topk``; docs/design/specs/tts.md step 3: "or over
 the target's top-k (flag) to save memory"). Snapshots keep ``k`` values and ids per supervised position instead of
 a full vocabulary row; the trainer densifies them just before the loss."""
 

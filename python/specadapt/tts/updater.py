@@ -1,5 +1,5 @@
 """The asynchronous Test-Time Speculation updater: shadow copy, strided steps beside decoding, publish at a
-fixed round boundary by in-place copy, rollback (specs/tts.md, "System design").
+fixed round boundary by in-place copy, rollback (docs/design/specs/tts.md, "System design").
 
 Protocol, per boundary (every ``S`` rounds, counted by the caller's round number, never by polling):
 

@@ -1,4 +1,4 @@
-"""Lossless verification rules (specs/verification.md).
+"""Lossless verification rules (docs/design/specs/verification.md).
 
 Each rule takes the batch contract of :mod:`specadapt.verification.common` and the coins, and returns
 :class:`VerifyOutput`. The float64 PyTorch implementations here are the oracle the fused kernels are tested

@@ -1,7 +1,7 @@
 """Block verification, float64 PyTorch reference.
 
 Sun, Mendlovic, Leviathan, Aharoni, Beirami, Ro, Suresh, "Block Verification Accelerates Speculative Decoding"
-(arXiv 2403.10444), Algorithm 2; specs/verification.md section 2.
+(arXiv 2403.10444), Algorithm 2; docs/design/specs/verification.md section 2.
 
 With ``w_0 = 1`` and ``w_i = min(1, w_{i-1} p(X_i) / q(X_i))``, the rule tests every position (no early stop)
 against ``h_i = Z_i / (Z_i + 1 - w_i)`` for ``i < L`` (``Z_i = sum_x max(w_i p(x|X^i) - q(x|X^i), 0)``) and

@@ -1,7 +1,7 @@
 """Token-level rejection sampling ("chain"), float64 PyTorch reference.
 
 Leviathan, Kalman, Matias, "Fast Inference from Transformers via Speculative Decoding" (ICML 2023), Algorithm 1;
-Chen et al., "Accelerating Large Language Model Decoding with Speculative Sampling" (2023). specs/verification.md
+Chen et al., "Accelerating Large Language Model Decoding with Speculative Sampling" (2023). docs/design/specs/verification.md
 section 1.
 
 Draft ``i`` is accepted iff ``u_i * q(X_i) < p(X_i)`` (accept with probability ``min(1, p/q)``); on the first

@@ -1,6 +1,6 @@
 """Shared pieces of the verification rules: input checks, sanitising, coin-driven sampling.
 
-The tensor contract (specs/verification.md section 4), for a batch of ``B`` requests, draft length ``L`` and
+The tensor contract (docs/design/specs/verification.md section 4), for a batch of ``B`` requests, draft length ``L`` and
 vocabulary ``V``:
 
 - ``candidates [B, L+1] int64``: slot 0 is the last committed token, slots 1..L the drafted tokens.

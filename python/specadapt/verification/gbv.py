@@ -1,6 +1,6 @@
 """Greedy multi-path block verification (GBV), float64 PyTorch reference.
 
-Thomas & Pal, "Greedy Multi-Path Block Verification" (arXiv 2602.16961); specs/verification.md section 3.
+Thomas & Pal, "Greedy Multi-Path Block Verification" (arXiv 2602.16961); docs/design/specs/verification.md section 3.
 
 K draft paths of length L are sampled i.i.d. from q. At every node ``u`` of the walk the vocabulary is ranked by
 the key ``(p(x|u) / q(x|u), token_id)`` ascending (one strict total order, used both for the cumulative mass
