@@ -13,11 +13,11 @@ PyObject* PyInit__C(void) {
 }
 
 TORCH_LIBRARY(specadapt, m) {
-  // Block-verification residual reduction (specs/verification.md section 2):
+  // Block-verification residual reduction (docs/design/specs/verification.md section 2):
   //   Z[n] = sum_v max(weights[n] * target_probs[n, v] - draft_probs[n, v], 0)
   // target_probs, draft_probs: [N, V] float32 or bfloat16 (same dtype); weights: [N] float32 -> [N] float32.
   m.def("block_residual_mass(Tensor target_probs, Tensor draft_probs, Tensor weights) -> Tensor");
-  // Single-path verification rules (specs/verification.md sections 1, 2 and 4). candidates [B, L+1] int64,
+  // Single-path verification rules (docs/design/specs/verification.md sections 1, 2 and 4). candidates [B, L+1] int64,
   // target_probs [B, L+1, V] and draft_probs [B, L, V] float32/bfloat16, uniforms [B, L], uniforms_final [B],
   // optional num_draft_tokens [B] -> (accept_len [B] int32, output_tokens [B, L+1] int32, padded with -1).
   // error: optional [>= 1] int32 flag the CUDA kernels OR their error bits into (csrc/cuda/errors.cuh; read by
@@ -29,7 +29,7 @@ TORCH_LIBRARY(specadapt, m) {
   // Greedy multi-path block verification (section 3): candidates [B, K, L+1], target_probs [B, K, L+1, V],
   // draft_probs [B, K, L, V], uniforms [B, L], uniforms_final [B]
   // -> (accept_len [B] int32, output_tokens [B, L+1] int32, chosen_path [B] int32).
-  // IRLS statistics of the acceptance estimator (specs/adaptive_verification.md section 4): features [B, K],
+  // IRLS statistics of the acceptance estimator (docs/design/specs/adaptive_verification.md section 4): features [B, K],
   // predictions [B, K], accepted [B], verified [B] -> [K, 6] float64 (a, b, c, g0, g1, n).
   m.def("irls_accumulate(Tensor features, Tensor predictions, Tensor accepted, Tensor verified) -> Tensor");
   // error: as for chain_verify.

@@ -65,6 +65,7 @@ from specadapt.cli.long_gen.options import (
 )
 from specadapt.cli.long_gen.plot import plot  # imports matplotlib only when it draws
 from specadapt.cli.long_gen.report import print_report, run, write_json
+from specadapt.verification.rules import DEFAULT_RULE, RULE_NAMES
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -122,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     emb = p.add_argument_group("embedded backend (--backend embedded; the building blocks of specadapt generate)")
     emb.add_argument("--draft", default="ngram", help="ngram | eagle | eagle:PATH | self:N | a model path")
     emb.add_argument("--num-draft-tokens", type=int, default=5, help="L, drafts per round")
-    emb.add_argument("--verify", default="chain", choices=["chain", "block", "gbv"], help="verification rule")
+    emb.add_argument("--verify", default=DEFAULT_RULE, choices=list(RULE_NAMES), help="verification rule")
     emb.add_argument("--tts", action="store_true", help="Test-Time Speculation of the model draft")
     emb.add_argument("--device", default="cpu", help="cpu or cuda")
     emb.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

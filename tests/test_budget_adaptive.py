@@ -221,9 +221,9 @@ def test_draft_filter_is_off_without_a_budget_or_pruning():
     av = AdaptiveVerification(AcceptanceEstimator(3), costs)
     probs = torch.full((2, 1, 5), 0.2)
     assert (av.draft_caps(0, probs, torch.tensor([3, 0])) > 0).tolist() == [True, False]  # no stale budget yet
-    av.stale_budget = 0
-    av.prune = False
-    assert (av.draft_caps(0, probs, torch.tensor([3, 3])) > 0).tolist() == [True, True]
+    unpruned = AdaptiveVerification(AcceptanceEstimator(3), costs, prune=False)
+    unpruned.stale_budget = 0
+    assert (unpruned.draft_caps(0, probs, torch.tensor([3, 3])) > 0).tolist() == [True, True]
 
 
 def test_draft_caps_reuses_the_features_of_earlier_positions():

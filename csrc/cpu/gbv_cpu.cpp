@@ -1,5 +1,5 @@
 // Fused CPU kernel of greedy multi-path block verification, GBV (Thomas & Pal, arXiv 2602.16961;
-// specs/verification.md section 3). Per request: the walk down the tree of K i.i.d. paths ranks the vocabulary
+// docs/design/specs/verification.md section 3). Per request: the walk down the tree of K i.i.d. paths ranks the vocabulary
 // by the key (p/q, token id) ascending (a sort of q's support per node; ratios in double order float32/bfloat16
 // inputs exactly), builds q_G along the reached path, then runs block verification with q_G in place of q.
 // Requests run in parallel; each thread holds O(L * V) doubles of scratch, never a [B, L, V] tensor.

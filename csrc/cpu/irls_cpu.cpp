@@ -1,4 +1,4 @@
-// CPU implementation of specadapt::irls_accumulate (specs/adaptive_verification.md section 4): one pass over the
+// CPU implementation of specadapt::irls_accumulate (docs/design/specs/adaptive_verification.md section 4): one pass over the
 // batch's [B, K] features and predictions and [B] outcomes, producing the [K, 6] IRLS statistics
 // (a, b, c, g0, g1, n) in double. Labels: positions up to and including the first rejection. Non-finite
 // features or predictions are skipped, so NaN never reaches the coefficients.

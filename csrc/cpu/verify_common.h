@@ -17,7 +17,7 @@
 namespace specadapt {
 namespace cpu {
 
-// NaN / inf / negative probabilities count as 0 (specs/verification.md section 5). Branch-free (NaN fails both
+// NaN / inf / negative probabilities count as 0 (docs/design/specs/verification.md section 5). Branch-free (NaN fails both
 // comparisons) so the loops below vectorise.
 template <typename T>
 inline double clean(T x) {

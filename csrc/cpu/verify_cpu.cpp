@@ -1,4 +1,4 @@
-// Fused CPU kernels of the single-path verification rules (specs/verification.md sections 1-2):
+// Fused CPU kernels of the single-path verification rules (docs/design/specs/verification.md sections 1-2):
 //   specadapt::chain_verify  token-level rejection sampling (Leviathan et al. 2023)
 //   specadapt::block_verify  block verification (Sun et al., arXiv 2403.10444)
 // One pass over p and q per verified position, requests in parallel (at::parallel_for), no [B, L, V] temporary.

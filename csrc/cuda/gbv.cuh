@@ -1,4 +1,4 @@
-// Greedy multi-path block verification, GBV (Thomas & Pal, arXiv 2602.16961; specs/verification.md section 3),
+// Greedy multi-path block verification, GBV (Thomas & Pal, arXiv 2602.16961; docs/design/specs/verification.md section 3),
 // as plain CUDA kernels with no torch dependency. The caller (csrc/cuda/gbv.cu with CUB, or the CuPy JIT path)
 // runs them in this order, all on one stream, with no host synchronisation:
 //

@@ -1,4 +1,4 @@
-// CUDA kernel of specadapt::irls_accumulate (specs/adaptive_verification.md section 4), torch-free so NVRTC can
+// CUDA kernel of specadapt::irls_accumulate (docs/design/specs/adaptive_verification.md section 4), torch-free so NVRTC can
 // compile it too. One thread block per draft position k reduces over the batch: for every request b with
 // k < verified[b] and k <= accepted[b] (labels up to and including the first rejection) and finite inputs,
 //   w = p (1 - p), r = y - p:  a += w f^2, b += w f, c += w, g0 += r f, g1 += r, n += 1.

@@ -1,5 +1,5 @@
 // Chain (token-level rejection sampling) and block verification as plain CUDA kernels, no torch dependency
-// (specs/verification.md sections 1, 2, 4). One thread block per request; vocabulary reductions and the
+// (docs/design/specs/verification.md sections 1, 2, 4). One thread block per request; vocabulary reductions and the
 // inverse-CDF scan are block-wide; rows are read with 16-byte vector loads when the row is aligned.
 // Probabilities are float or __nv_bfloat16; accumulation is in double so that the decisions match the float64
 // reference for the same coins (Hopper runs FP64 at half FP32 rate; these kernels are memory-bound).

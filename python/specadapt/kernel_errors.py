@@ -21,6 +21,8 @@ import threading
 
 import torch
 
+from .verification.rules import RULES
+
 __all__ = [
     "DEBUG_ENV",
     "ERROR_BITS",
@@ -36,8 +38,9 @@ __all__ = [
 
 DEBUG_ENV = "SPECADAPT_DEBUG_KERNELS"
 
-#: Kernel families with a flag (one slot each per device), as the ``specadapt::`` op names.
-KERNELS = ("chain_verify", "block_verify", "gbv_verify")
+#: Kernel families with a flag (one slot each per device), as the ``specadapt::`` op names: every registered
+#: verification rule's op (:mod:`specadapt.verification.rules`).
+KERNELS = tuple(rule.op for rule in RULES.values())
 
 #: bit -> (name of the constant in csrc/cuda/errors.cuh, meaning, the ``__global__`` kernels that set it).
 ERROR_BITS: dict[int, tuple[str, str, dict[str, str]]] = {

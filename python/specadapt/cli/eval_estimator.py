@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
+from ..estimator.config import EstimatorConfig
+from ..settings import SettingError
 from .common import UsageError
 
 
@@ -21,10 +24,14 @@ def add_parser(sub) -> None:
     r.add_argument("--replay", action="store_true",
                    help="re-run a fresh estimator over the logged rounds and score its predictions instead of the "
                         "logged ones (exact for logs of runs without --adaptive-verification)")
-    r.add_argument("--refit-interval", type=int, default=100, help="N: rounds between refits (replay)")
-    r.add_argument("--damping", type=float, default=50.0, help="D of the evidence damping n/(n+D) (replay)")
-    r.add_argument("--init-slope", type=float, default=0.5, help="initial slope omega (replay)")
-    r.add_argument("--init-intercept", type=float, default=-0.2, help="initial intercepts beta_k (replay)")
+    defaults = EstimatorConfig()  # the estimator's own defaults (the engine's --av-* flags share them)
+    r.add_argument("--refit-interval", type=int, default=defaults.refit_interval,
+                   help="N: rounds between refits (replay)")
+    r.add_argument("--damping", type=float, default=defaults.damping,
+                   help="D of the evidence damping n/(n+D) (replay)")
+    r.add_argument("--init-slope", type=float, default=defaults.init_slope, help="initial slope omega (replay)")
+    r.add_argument("--init-intercept", type=float, default=defaults.init_intercept,
+                   help="initial intercepts beta_k (replay)")
     p.set_defaults(run=run)
 
 
@@ -54,13 +61,13 @@ def _replay(records: list[dict], args) -> list[dict]:
     from ..estimator import AcceptanceEstimator
     from ..estimator.evaluation import replay_records
 
-    if args.refit_interval < 1:
-        raise UsageError(f"--refit-interval must be >= 1, got {args.refit_interval}")
-    if args.damping < 0:
-        raise UsageError(f"--damping must be >= 0, got {args.damping}")
+    try:
+        config = replace(EstimatorConfig(), refit_interval=args.refit_interval, damping=args.damping,
+                         init_slope=args.init_slope, init_intercept=args.init_intercept)
+    except SettingError as exc:  # names the field: report this command's flag (refit_interval -> --refit-interval)
+        raise UsageError(exc.render(lambda field: "--" + field.replace("_", "-"))) from None
     positions = max(int(r["position"]) for r in records)
-    estimator = AcceptanceEstimator(positions, init_slope=args.init_slope, init_intercept=args.init_intercept,
-                                    refit_interval=args.refit_interval, damping=args.damping)
+    estimator = AcceptanceEstimator.from_config(positions, config)
     replayed = replay_records(records, estimator)
     print(f"replayed {len(replayed)} drafts over {estimator.steps} rounds: {estimator.refits} refits, final slope "
           f"{estimator.slope:.3f}, intercepts {[round(b, 3) for b in estimator.intercepts.tolist()]}")

@@ -154,7 +154,7 @@ def evaluate_records(records: list[dict], min_refits: int = 1) -> dict:
     used = [r for r in records if r["refits"] >= min_refits]
     if not used:
         raise ValueError(f"no logged draft was predicted after >= {min_refits} refits (run longer or lower "
-                         "--av-refit-interval)")
+                         "the estimator's refit_interval)")
     pos = np.array([r["position"] for r in used])
     y = np.array([r["label"] for r in used], dtype=np.float64)
     fitted = np.array([r["prediction"] for r in used], dtype=np.float64)

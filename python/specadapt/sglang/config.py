@@ -263,7 +263,8 @@ def validate_for_server(config: PluginConfig, server_args: Any) -> None:
         if not _field(server_args, "speculative_draft_model_path"):
             raise PluginConfigError("--tts needs a draft model: pass --speculative-draft-model-path")
     device = _field(server_args, "device")
-    if config.replaces_verification and config.rule != DEFAULT_RULE and device not in (None, "cuda"):
+    # off CUDA SGLang drafts greedily, which its own chain sampler (and ours) verifies; the other rules need samples
+    if config.replaces_verification and config.rule != "chain" and device not in (None, "cuda"):
         raise PluginConfigError(
             f"--specadapt-verify {config.verify} runs on sampled drafts, which SGLang produces on CUDA only "
             f"(--device {device} verifies greedily)"

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from ..verification.rules import DEFAULT_RULE
 from .config import PluginConfig
 from .gbv import GBVDrafting, GBVRound
 from .hot_vocab import HotVocab
@@ -47,7 +48,7 @@ class VerifyRuntime:
         broadcast: in-place broadcast from TP rank 0, or ``None`` at TP 1.
     """
 
-    rule: str = "chain"
+    rule: str = DEFAULT_RULE
     impl: str = "auto"
     seed: int = 0
     pending_caps: torch.Tensor | None = None

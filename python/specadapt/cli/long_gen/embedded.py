@@ -146,7 +146,7 @@ def run_embedded(args, prompts) -> tuple[list[dict], float, dict, list[dict], fl
             "text": target.tokenizer.decode(res.output_ids, skip_special_tokens=True),
         })
     all_rounds = [r for res in results for r in res.rounds]
-    extra = {"model": g.model, "seed": g.seed, "num_paths": g.num_paths, "verify_impl": g.verify_impl,
+    extra = {"model": g.model, "seed": g.seed, "num_paths": eng.num_paths_of(g), "verify_impl": g.verify_impl,
              "torch_version": torch.__version__, "torch_threads": torch.get_num_threads()}
     if tts is not None:
         extra["tts_stats"] = tts.summary()
