@@ -40,7 +40,8 @@ def add_parser(sub) -> None:
     add_engine_arguments(p)
     p.add_argument("--dataset", default=d["dataset"], help="aime24 | math500 | livecodebench | path to a .jsonl file")
     p.add_argument("--prompt-field", default=None, help="JSON field holding the prompt (None: the dataset's own)")
-    p.add_argument("--limit", type=int, default=d["limit"], help="number of prompts (0 = all)")
+    p.add_argument("--limit", type=int, default=d["limit"],
+                   help="number of prompts (0 = all; with --session, the problems the sessions draw from)")
     p.add_argument("--max-new-tokens", type=int, default=d["max_new_tokens"], help="new tokens per request")
     p.add_argument("--ignore-eos", action="store_true",
                    help="decode every request to --max-new-tokens even past EOS (acceptance-vs-position studies)")
@@ -51,6 +52,12 @@ def add_parser(sub) -> None:
                         "the target step, the sampling transform and verification), so both runs decode the same "
                         "tokens at the same context lengths; free: target-only decoding sampling its own text (its "
                         "length and EOS differ at temperature > 0)")
+    p.add_argument("--session", type=int, default=0, metavar="S",
+                   help="long sessions: S conversations in which every answer ends at EOS and the next problem is "
+                        "appended as a new user turn, until the context is nearly full (0 = one request per "
+                        "prompt); acceptance is also reported by absolute context position (docs/engine.md)")
+    p.add_argument("--session-reserve", type=int, default=512,
+                   help="--session: ask a next turn only while its prompt leaves this many tokens of context")
     p.add_argument("--bucket-edges", default=d["bucket_edges"], help="output-position bucket edges")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (also silences transformers')")
@@ -70,6 +77,12 @@ def _validate(args) -> list[int]:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.limit < 0:
         raise UsageError(f"--limit must be >= 0, got {args.limit}")
+    if args.session < 0:
+        raise UsageError(f"--session must be >= 0 (0 = one request per prompt), got {args.session}")
+    if args.session_reserve < 1:
+        raise UsageError(f"--session-reserve must be >= 1, got {args.session_reserve}")
+    if args.session and args.ignore_eos:
+        raise UsageError("--session ends every answer at its natural EOS: drop --ignore-eos")
     try:
         edges = [int(x) for x in args.bucket_edges.split(",")]
     except ValueError:
@@ -115,6 +128,8 @@ def run(args) -> int:
         limits.append(min(args.max_new_tokens, room))
 
     label = f"speculative ({args.draft}{' + TTS' if tts else ''})"
+    if args.session:
+        return _run_sessions(args, built, prompts, context, edges, label)
     spec_results, spec_seconds = _timed(spec_engine, token_ids, limits, args, label)
     built.close()
     base_results = base_seconds = None
@@ -160,3 +175,77 @@ def _timed(engine, token_ids, limits, args, label, forced=None):
         results = engine.generate(token_ids, limits, batch_size=args.batch_size, on_tokens=bar.update, forced=forced)
         seconds = time.perf_counter() - start
     return results, seconds
+
+
+def _run_sessions(args, built, prompts, context, edges, label) -> int:
+    """``--session S``: long sessions (:mod:`specadapt.cli.sessions`), then the same report as a normal run with
+    one row per turn and acceptance by absolute context position."""
+    import torch
+    from tqdm import tqdm
+
+    from ..datasets import Prompt
+    from ..engine import NoDraft, SpeculativeEngine
+    from ..engine.metrics import acceptance_by_position
+    from .report import build_report, print_report, write_json
+    from .sessions import CONTEXT_EDGES, context_position_rounds, run_sessions
+
+    target, sampling = built.target, built.sampling
+    tokenizer = target.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise UsageError("--session needs a model with a chat template (each problem is a new user turn)")
+
+    def tokenize(messages):
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+
+    def decode(ids):
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    def timed(engine, desc, forced=None):
+        with tqdm(desc=desc, unit="tok", disable=args.no_progress, leave=True) as bar:
+            start = time.perf_counter()
+            turns = run_sessions(engine, tokenize, decode, prompts, args.session, args.batch_size,
+                                 args.max_new_tokens, context, args.session_reserve, args.seed, forced=forced,
+                                 on_tokens=bar.update)
+            return turns, time.perf_counter() - start
+
+    turns, spec_seconds = timed(built.engine, label)
+    built.close()
+    base_results = base_seconds = None
+    if args.baseline:
+        base_engine = SpeculativeEngine(
+            target, NoDraft(), sampling, 0, DEFAULT_RULE, seed=args.seed, verify_impl=args.verify_impl,
+            packed_forward=args.packed_forward,
+        )
+        forced = ({(t.session, t.turn): t.result.output_ids for t in turns} if args.baseline_mode == "paired"
+                  else None)
+        base_turns, base_seconds = timed(base_engine, f"target-only baseline ({args.baseline_mode})", forced)
+        base_results = [t.result for t in base_turns]
+    config = {k: v for k, v in vars(args).items() if k not in ("run", "command", "log_level", "no_progress",
+                                                                   "logit_bias_map")}
+    config.update(num_paths=built.engine.num_paths, torch_version=torch.__version__,
+                  torch_threads=torch.get_num_threads(), forward_used=target.forward_name,
+                  weight_format=target.weight_format)
+    if built.tts is not None:
+        config.update(tts_stats=built.tts.summary())
+    report = build_report(config, [Prompt(t.id, t.prompt.text) for t in turns], tokenizer,
+                          [t.result for t in turns], spec_seconds, base_results, base_seconds, edges,
+                          args.num_draft_tokens)
+    by_context = acceptance_by_position(context_position_rounds(turns), CONTEXT_EDGES)
+    report["sessions"] = {
+        "sessions": args.session,
+        "turns": [sum(1 for t in turns if t.session == s) for s in range(args.session)],
+        "context_tokens": [max((len(t.prompt_ids) + len(t.result.output_ids) for t in turns if t.session == s),
+                               default=0) for s in range(args.session)],
+        "answers_ended_by_eos": sum(1 for t in turns if t.result.finished_by_eos),
+        "acceptance_by_context_position": by_context,
+    }
+    print_report(report)
+    buckets = "  ".join(f"[{b['start']},{b['end'] if b['end'] is not None else ''}): "
+                        f"{b['acceptance_length']:.2f} ({b['rounds']} rounds)" for b in by_context if b["rounds"])
+    print(f"sessions {args.session}: turns {report['sessions']['turns']}, context tokens "
+          f"{report['sessions']['context_tokens']}; acceptance length by context position: {buckets}")
+    if args.json:
+        write_json(report, args.json)
+        print(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,157 @@
+"""Long sessions (``specadapt generate --session S``): real text over the whole context.
+
+A session is one conversation: each answer ends naturally (EOS, or ``--max-new-tokens``), then the next problem is
+appended as a new user turn (the model's chat template) and the model answers again, until the next prompt would
+leave fewer than ``reserve`` tokens of the context window. Each turn is one engine request whose prompt is the
+whole conversation so far, so the draft sees the long context (the regime of the issue "A draft head worth
+adapting"), and no output runs past the model's end of turn (unlike ``--ignore-eos``, whose text past EOS is
+degenerate). Session ``s`` of ``S`` takes problems ``s, s + S, s + 2S, ...`` of the dataset (cycling), so the
+sessions' problems are disjoint while the dataset lasts.
+
+Acceptance is reported by absolute position in the context (:func:`context_position_rounds`) as well as by
+position in the output.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+from ..datasets import Prompt
+from ..engine.loop import Request, RequestResult, RoundRecord
+
+__all__ = ["CONTEXT_EDGES", "SessionTurn", "context_position_rounds", "run_sessions"]
+
+logger = logging.getLogger(__name__)
+
+#: Bucket edges (tokens of context) for acceptance by absolute position: 0-512-1K-2K-4K-8K and beyond.
+CONTEXT_EDGES = (0, 512, 1024, 2048, 4096, 8192)
+
+
+@dataclass
+class SessionTurn:
+    """One turn of a session: the problem asked, the full conversation prompt (token ids) and the answer.
+
+    Attributes:
+        session, turn: indices (0-based).
+        prompt: the dataset problem of this turn.
+        prompt_ids: the whole conversation up to this turn's generation prompt (chat-templated token ids).
+        result: the engine's result for the turn (its ``output_ids`` end at EOS unless the limit cut them).
+    """
+
+    session: int
+    turn: int
+    prompt: Prompt
+    prompt_ids: list[int]
+    result: RequestResult | None = None
+
+    @property
+    def id(self) -> str:
+        return f"s{self.session}.t{self.turn}:{self.prompt.id}"
+
+
+def context_position_rounds(turns: list[SessionTurn]) -> list[RoundRecord]:
+    """Every turn's rounds with ``position`` shifted to the absolute context position (prompt length + output
+    position), for :func:`specadapt.engine.metrics.acceptance_by_position` with :data:`CONTEXT_EDGES`."""
+    out = []
+    for turn in turns:
+        offset = len(turn.prompt_ids)
+        out += [RoundRecord(offset + r.position, r.num_drafted, r.accepted, r.emitted) for r in turn.result.rounds]
+    return out
+
+
+def run_sessions(engine, tokenize: Callable[[list[dict]], list[int]], decode: Callable[[list[int]], str],
+                 problems: list[Prompt], sessions: int, batch_size: int, max_new_tokens: int, context: int,
+                 reserve: int = 512, seed: int = 0, forced: dict[tuple[int, int], list[int]] | None = None,
+                 on_tokens: Callable[[int], None] | None = None) -> list[SessionTurn]:
+    """Run ``sessions`` long sessions on ``engine``, ``batch_size`` of them at a time (continuous batching: a
+    session's next turn joins the running batch as soon as its previous answer ends).
+
+    Args:
+        engine: a :class:`~specadapt.engine.SpeculativeEngine` (``open_batch`` / ``join`` / ``step``).
+        tokenize: chat messages ``[{"role", "content"}]`` -> token ids with the generation prompt added.
+        decode: answer token ids -> text (special tokens skipped), appended as the assistant's turn.
+        problems: the dataset's prompts (at least one).
+        sessions: S >= 1; batch_size >= 1; max_new_tokens >= 1: the limit of one answer.
+        context: the model's context window in tokens; a turn is asked only while its prompt leaves at least
+            ``reserve`` tokens (and the answer is cut to the room left).
+        seed: turn ``t`` of session ``s`` decodes with seed ``seed + 1000 * s + t``.
+        forced: target-only engines: ``{(session, turn): token ids}`` to emit instead of sampling (paired
+            timing of a speculative run's sessions; the conversation then follows that text).
+        on_tokens: called with the number of tokens emitted after every round.
+
+    Returns:
+        The turns in the order they finished.
+
+    Raises:
+        ValueError: no problems, or ``sessions`` / ``batch_size`` / ``max_new_tokens`` / ``reserve`` out of range
+            (the message names the argument).
+    """
+    if not problems:
+        raise ValueError("problems must hold at least one prompt")
+    for name, value, low in (("sessions", sessions, 1), ("batch_size", batch_size, 1),
+                             ("max_new_tokens", max_new_tokens, 1), ("reserve", reserve, 1)):
+        if value < low:
+            raise ValueError(f"{name} must be >= {low}, got {value}")
+    messages: dict[int, list[dict]] = {s: [] for s in range(sessions)}
+    asked: dict[int, int] = {s: 0 for s in range(sessions)}
+
+    def next_turn(s: int) -> tuple[SessionTurn, Request] | None:
+        t = asked[s]
+        if forced is not None and (s, t) not in forced:
+            return None
+        problem = problems[(s + sessions * t) % len(problems)]
+        if s + sessions * t == len(problems):
+            logger.warning("sessions: all %d problems asked; later turns repeat them (raise --limit, 0 = all)",
+                           len(problems))
+        conversation = messages[s] + [{"role": "user", "content": problem.text}]
+        ids = tokenize(conversation)
+        room = context - len(ids)
+        if room < reserve and t > 0:  # the first turn always runs (the caller checked it fits)
+            return None
+        asked[s] = t + 1
+        messages[s] = conversation
+        turn = SessionTurn(s, t, problem, ids)
+        limit = min(max_new_tokens, max(room, 0))
+        extra = {} if forced is None else {"forced": forced[(s, t)], "max_new_tokens": len(forced[(s, t)])}
+        request = Request(ids, extra.get("max_new_tokens", limit), seed + 1000 * s + t, forced=extra.get("forced"))
+        return turn, request
+
+    done: list[SessionTurn] = []
+    running: dict[int, tuple[int, SessionTurn]] = {}  # id(request) -> (session, turn)
+    waiting = list(range(sessions))
+
+    def start(s: int) -> Request | None:
+        nxt = next_turn(s)
+        if nxt is None:
+            return None
+        turn, request = nxt
+        running[id(request)] = (s, turn)
+        return request
+
+    engine.open_batch()
+    try:
+        first = [r for r in (start(waiting.pop(0)) for _ in range(min(batch_size, len(waiting)))) if r is not None]
+        engine.join(first)
+        while engine.num_active:
+            joining = []
+            for request, tokens, finished in engine.step():
+                if on_tokens is not None and tokens:
+                    on_tokens(len(tokens))
+                if not finished:
+                    continue
+                s, turn = running.pop(id(request))
+                turn.result = request.result
+                done.append(turn)
+                messages[s] = messages[s] + [{"role": "assistant", "content": decode(request.result.output_ids)}]
+                following = start(s)
+                while following is None and waiting:  # this session is full: start a waiting one
+                    following = start(waiting.pop(0))
+                if following is not None:
+                    joining.append(following)
+            if joining:
+                engine.join(joining)
+    finally:
+        engine.close_batch()
+    return done
