@@ -7,17 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.cli import run_generate
 from tests.helpers.models import WORDS, save_tiny_model_dir
-from specadapt.cli import main
 
 
-def _run(capsys, *argv):
-    try:
-        code = main(["generate", "--no-progress", *argv])
-    except SystemExit as exc:
-        code = exc.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+_run = run_generate
 
 
 @pytest.mark.parametrize(

@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from specadapt.cli import main
 from specadapt.cli.sessions import CONTEXT_EDGES, context_position_rounds, run_sessions
 from specadapt.datasets import Prompt
 from specadapt.engine import NgramDraft, NoDraft, SpeculativeEngine
 from specadapt.engine.loop import RequestResult, RoundRecord
 from specadapt.engine.metrics import acceptance_by_position
+from tests.helpers.cli import run_generate
 from tests.helpers.engine import GREEDY
 from tests.helpers.models import WORDS, loaded, tiny_llama
 
@@ -94,13 +94,7 @@ def test_bad_arguments_are_named(argument, value):
                      args["max_new_tokens"], 64, args["reserve"])
 
 
-def _generate(capsys, *argv):
-    try:
-        code = main(["generate", "--no-progress", *argv])
-    except SystemExit as exc:
-        code = exc.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+_generate = run_generate
 
 
 def test_generate_session_end_to_end(capsys, tiny_model_dir, tmp_path):
