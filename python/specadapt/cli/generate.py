@@ -96,7 +96,6 @@ def run(args) -> int:
     import torch
 
     from ..datasets import DatasetError, load_prompts
-    from ..engine import NoDraft, SpeculativeEngine
     from .report import build_report, print_report, write_json
 
     edges = _validate(args)
@@ -112,7 +111,7 @@ def run(args) -> int:
     except DatasetError as exc:
         raise UsageError(f"--dataset: {exc}") from None
     built = build_engine(args, args.batch_size, ignore_eos=args.ignore_eos)
-    target, sampling, spec_engine, adaptive, tts = built.target, built.sampling, built.engine, built.adaptive, built.tts
+    target, spec_engine, tts = built.target, built.engine, built.tts
 
     token_ids = [_tokenize(target.tokenizer, p.text) for p in prompts]
     context = target.context_length or 10**9
@@ -134,27 +133,11 @@ def run(args) -> int:
     built.close()
     base_results = base_seconds = None
     if args.baseline:
-        base_engine = SpeculativeEngine(
-            target, NoDraft(), sampling, 0, DEFAULT_RULE, seed=args.seed, verify_impl=args.verify_impl,
-            ignore_eos=args.ignore_eos, packed_forward=args.packed_forward,
-        )
         forced = [r.output_ids for r in spec_results] if args.baseline_mode == "paired" else None
-        base_results, base_seconds = _timed(base_engine, token_ids, limits, args,
+        base_results, base_seconds = _timed(_baseline_engine(args, built), token_ids, limits, args,
                                             f"target-only baseline ({args.baseline_mode})", forced=forced)
 
-    config = {k: v for k, v in vars(args).items() if k not in ("run", "command", "log_level", "no_progress",
-                                                                   "logit_bias_map")}
-    config["num_paths"] = spec_engine.num_paths  # --num-paths or its default
-    if adaptive is not None:
-        config.update(av_pruned_drafts=adaptive.pruned, av_verified_drafts=adaptive.verified,
-                      av_slope=adaptive.estimator.slope, av_intercepts=adaptive.estimator.intercepts.tolist(),
-                      av_rounds=adaptive.rounds, av_rounds_speculation_off=adaptive.rounds_off,
-                      av_probe_rounds=adaptive.probe_rounds, av_cost_model=adaptive.cost_model_error())
-    if tts is not None:
-        config.update(tts_stats=tts.summary())
-    config.update(torch_version=torch.__version__, torch_threads=torch.get_num_threads(),
-                  forward_used=target.forward_name, weight_format=target.weight_format,
-                  kv_dtype_used=str(getattr(target.native, "kv_dtype", "n/a")).replace("torch.", ""))
+    config = _run_config(args, built)
     report = build_report(
         config, prompts, target.tokenizer, spec_results, spec_seconds, base_results, base_seconds, edges,
         args.num_draft_tokens,
@@ -164,6 +147,38 @@ def run(args) -> int:
         write_json(report, args.json)
         print(f"wrote {args.json}")
     return 0
+
+
+def _baseline_engine(args, built):
+    """The target-only engine of ``--baseline``: same target, sampling, seed and verification settings."""
+    from ..engine import NoDraft, SpeculativeEngine
+
+    return SpeculativeEngine(
+        built.target, NoDraft(), built.sampling, 0, DEFAULT_RULE, seed=args.seed, verify_impl=args.verify_impl,
+        ignore_eos=args.ignore_eos, packed_forward=args.packed_forward,
+    )
+
+
+def _run_config(args, built) -> dict:
+    """The report's ``config``: the flags, the resolved K, adaptive-verification and TTS statistics, the versions
+    and the forward / weight format actually used."""
+    import torch
+
+    config = {k: v for k, v in vars(args).items() if k not in ("run", "command", "log_level", "no_progress",
+                                                                   "logit_bias_map")}
+    config["num_paths"] = built.engine.num_paths  # --num-paths or its default
+    adaptive, target = built.adaptive, built.target
+    if adaptive is not None:
+        config.update(av_pruned_drafts=adaptive.pruned, av_verified_drafts=adaptive.verified,
+                      av_slope=adaptive.estimator.slope, av_intercepts=adaptive.estimator.intercepts.tolist(),
+                      av_rounds=adaptive.rounds, av_rounds_speculation_off=adaptive.rounds_off,
+                      av_probe_rounds=adaptive.probe_rounds, av_cost_model=adaptive.cost_model_error())
+    if built.tts is not None:
+        config.update(tts_stats=built.tts.summary())
+    config.update(torch_version=torch.__version__, torch_threads=torch.get_num_threads(),
+                  forward_used=target.forward_name, weight_format=target.weight_format,
+                  kv_dtype_used=str(getattr(target.native, "kv_dtype", "n/a")).replace("torch.", ""))
+    return config
 
 
 def _timed(engine, token_ids, limits, args, label, forced=None):
@@ -180,17 +195,14 @@ def _timed(engine, token_ids, limits, args, label, forced=None):
 def _run_sessions(args, built, prompts, context, edges, label) -> int:
     """``--session S``: long sessions (:mod:`specadapt.cli.sessions`), then the same report as a normal run with
     one row per turn and acceptance by absolute context position."""
-    import torch
     from tqdm import tqdm
 
     from ..datasets import Prompt
-    from ..engine import NoDraft, SpeculativeEngine
     from ..engine.metrics import acceptance_by_position
     from .report import build_report, print_report, write_json
     from .sessions import CONTEXT_EDGES, context_position_rounds, run_sessions
 
-    target, sampling = built.target, built.sampling
-    tokenizer = target.tokenizer
+    tokenizer = built.target.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise UsageError("--session needs a model with a chat template (each problem is a new user turn)")
 
@@ -213,22 +225,12 @@ def _run_sessions(args, built, prompts, context, edges, label) -> int:
     built.close()
     base_results = base_seconds = None
     if args.baseline:
-        base_engine = SpeculativeEngine(
-            target, NoDraft(), sampling, 0, DEFAULT_RULE, seed=args.seed, verify_impl=args.verify_impl,
-            packed_forward=args.packed_forward,
-        )
         forced = ({(t.session, t.turn): t.result.output_ids for t in turns} if args.baseline_mode == "paired"
                   else None)
-        base_turns, base_seconds = timed(base_engine, f"target-only baseline ({args.baseline_mode})", forced)
+        base_turns, base_seconds = timed(_baseline_engine(args, built),
+                                         f"target-only baseline ({args.baseline_mode})", forced)
         base_results = [t.result for t in base_turns]
-    config = {k: v for k, v in vars(args).items() if k not in ("run", "command", "log_level", "no_progress",
-                                                                   "logit_bias_map")}
-    config.update(num_paths=built.engine.num_paths, torch_version=torch.__version__,
-                  torch_threads=torch.get_num_threads(), forward_used=target.forward_name,
-                  weight_format=target.weight_format)
-    if built.tts is not None:
-        config.update(tts_stats=built.tts.summary())
-    report = build_report(config, [Prompt(t.id, t.prompt.text) for t in turns], tokenizer,
+    report = build_report(_run_config(args, built), [Prompt(t.id, t.prompt.text) for t in turns], tokenizer,
                           [t.result for t in turns], spec_seconds, base_results, base_seconds, edges,
                           args.num_draft_tokens)
     by_context = acceptance_by_position(context_position_rounds(turns), CONTEXT_EDGES)

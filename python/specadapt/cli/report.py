@@ -82,7 +82,8 @@ def build_report(config, prompts, tokenizer, results, seconds, base_results, bas
     return {"config": config, "requests": requests, "summary": summary}
 
 
-def _short(text: str, width: int = 16) -> str:
+def short_id(text: str, width: int = 16) -> str:
+    """``text`` cut to its last ``width - 1`` characters after an ellipsis when longer (table cells)."""
     return text if len(text) <= width else "…" + text[-(width - 1):]
 
 
@@ -102,7 +103,7 @@ def print_report(report: dict) -> None:
     print("-" * len(header))
     for req in report["requests"]:
         print(
-            f"{_short(str(req['id'])):<16} {req['prompt_tokens']:>7} {req['output_tokens']:>7} {req['rounds']:>7} "
+            f"{short_id(str(req['id'])):<16} {req['prompt_tokens']:>7} {req['output_tokens']:>7} {req['rounds']:>7} "
             f"{_fmt(req['acceptance_length']):>8} {_fmt(req['tokens_per_s'], '.1f'):>8} "
             f"{_fmt(req['ngram_repeat_rate']):>7}"
         )

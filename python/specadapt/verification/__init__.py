@@ -6,7 +6,8 @@ against. :mod:`specadapt.verification.rules` is the registry every consumer read
 :func:`get_rule`).
 
 Importing this package does not import torch: the registry is torch-free, and the rules' functions below are
-imported from their modules on first access (so the CLI and the SGLang flags can read the registry cheaply).
+imported from their modules on first access, so tools can read the registry without torch. (The CLI's parser
+imports torch anyway today, through the settings records of budget/ and tts/, whose packages import torch.)
 """
 
 from importlib import import_module

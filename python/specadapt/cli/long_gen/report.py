@@ -75,13 +75,13 @@ def summarize(records: list[dict], wall: float, by_position: list[dict] | None =
 def print_report(report: dict) -> None:
     """A table per request and the summary, to stdout."""
     from specadapt.cli.report import fmt_value as _fmt
+    from specadapt.cli.report import short_id
     header = f"{'id':<16} {'output':>7} {'latency s':>10} {'tok/s':>8} {'acc.len':>8} {'finish':>8}"
     print()
     print(header)
     print("-" * len(header))
     for r in report["requests"]:
-        rid = str(r["id"])
-        rid = rid if len(rid) <= 16 else "…" + rid[-15:]
+        rid = short_id(str(r["id"]))
         print(f"{rid:<16} {r['output_tokens']:>7} {_fmt(r['latency_s']):>10} {_fmt(r['tokens_per_s'], '.1f'):>8} "
               f"{_fmt(r['acceptance_length']):>8} {str(r['finish_reason'] or '-'):>8}")
     s, c = report["summary"], report["config"]
