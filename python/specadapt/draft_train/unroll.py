@@ -1,0 +1,221 @@
+"""EAGLE-3's training-time test: the draft head unrolled for ``k`` drafting steps over a whole sequence at once.
+
+Notation (one sequence ``x_0 .. x_{T-1}``, target features ``f_t`` and final hidden states ``h_t``):
+
+- step 1 at query ``i`` reads ``(f_i, x_{i+1})`` at position ``i`` and attends to the step-1 keys of positions
+  ``j <= i``; its output ``g1_i`` gives ``q1(x_{i+2})``;
+- step ``s > 1`` at query ``i`` reads ``(g{s-1}_i, x_{i+s})`` at position ``i+s-1`` and attends to the step-1
+  keys ``j <= i`` and to the step-``m`` keys of the same ``i`` for ``2 <= m <= s`` (itself included): exactly
+  the cache the drafting loop holds when it drafts its ``s``-th token after committed position ``i``
+  (:class:`~specadapt.engine.eagle_draft.EagleDraft`); its output gives ``q_s(x_{i+s+1})``.
+
+The step-1 keys are one causal attention over the sequence; the extra keys of step ``s`` are one per query (a
+diagonal), so step ``s`` costs O(T^2) like step 1, not O(s T^2) as a dense mask over all keys would.
+
+The teacher of ``q_s`` at query ``i`` is the target's ``p(x_{i+s+1} | x_<=i+s) = softmax(h_{i+s} @ W.T)``
+restricted and renormalised to the draft vocabulary (the training loss is the forward KL to it); the
+acceptance reported, ``sum_x min(p, q)`` with ``p`` over the full vocabulary, is what speculative sampling at
+temperature 1 accepts (Leviathan et al. 2023, Theorem 1) on teacher-forced prefixes.
+
+Only the head's own modules are used (``fuse``, ``input_proj``, ``layer``, ``rotary`` and the shared frozen
+embedding / norm / LM-head rows): the unrolled forward is tested equal to :meth:`EagleHead.forward` run step by
+step with a KV cache (tests/test_draft_train.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["UnrolledOutput", "unrolled_forward", "unrolled_loss", "StepStats", "full_teacher"]
+
+
+@dataclass
+class UnrolledOutput:
+    """``hidden[s]``: ``[n_s, h]`` outputs of step ``s + 1`` at queries ``i = 0 .. n_s - 1``
+    (``n_s = T - 1 - s``: step ``s + 1`` at query ``i`` needs the token ``x_{i+s+1}``)."""
+
+    hidden: list[torch.Tensor]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x [H, n, d]`` rotated by ``cos / sin [n, d]``."""
+    return x * cos[None] + _rotate_half(x) * sin[None]
+
+
+def _project(head, features: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    embed, _, _ = head.shared
+    if features.shape[-1] == 3 * head.hidden_size:
+        features = head.fuse(features)
+    return head.input_proj(torch.cat([embed(ids).to(features.dtype), features], dim=-1))
+
+
+def unrolled_forward(head, tokens: torch.Tensor, features: torch.Tensor, steps: int) -> UnrolledOutput:
+    """Run ``steps`` unrolled drafting steps of ``head`` over one sequence (see the module docstring).
+
+    Args:
+        head: an attached :class:`~specadapt.engine.eagle.EagleHead` (float32 parameters).
+        tokens: ``[T] int64`` the sequence.
+        features: ``[T, 3h]`` target features ``f_t`` (any float dtype; rows ``T-2``, ``T-1`` unused).
+        steps: ``k >= 1``.
+
+    Returns:
+        :class:`UnrolledOutput` with ``k`` tensors (differentiable in the head's parameters).
+
+    Raises:
+        ValueError: ``steps < 1``, a sequence shorter than ``steps + 2`` tokens, or mismatched shapes.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    T = int(tokens.shape[0])
+    if T < steps + 2:
+        raise ValueError(f"a sequence of {T} tokens is too short for {steps} unrolled steps (needs {steps + 2})")
+    if features.shape[0] != T:
+        raise ValueError(f"features has {features.shape[0]} rows for {T} tokens")
+    layer = head.layer
+    attn = layer.self_attn
+    dtype = head.fuse.weight.dtype
+    heads = head.config.num_attention_heads
+    kv_heads = head.config.num_key_value_heads
+    groups = heads // kv_heads
+    d = attn.head_dim
+    scale = attn.scaling
+    n1 = T - 2
+    positions = torch.arange(T, device=tokens.device)
+    cos_all, sin_all = head.rotary(features[:1].to(dtype)[None], positions[None])
+    cos_all, sin_all = cos_all[0].to(dtype), sin_all[0].to(dtype)
+
+    def qkv(x: torch.Tensor, pos: slice):
+        n = x.shape[0]
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).view(n, heads, d).transpose(0, 1)
+        k = attn.k_proj(h).view(n, kv_heads, d).transpose(0, 1)
+        v = attn.v_proj(h).view(n, kv_heads, d).transpose(0, 1)
+        cos, sin = cos_all[pos], sin_all[pos]
+        return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+    def finish(x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        x = x + attn.o_proj(attended.transpose(0, 1).reshape(n, heads * d))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    # step 1: causal attention over the real pairs
+    x1 = _project(head, features[:n1].to(dtype), tokens[1 : n1 + 1])
+    q1, k1, v1 = qkv(x1, slice(0, n1))
+    k1x = k1.repeat_interleave(groups, dim=0)  # [H, n1, d]
+    v1x = v1.repeat_interleave(groups, dim=0)
+    out = F.scaled_dot_product_attention(q1, k1x, v1x, is_causal=True, scale=scale)
+    hidden = [finish(x1, out)]
+    extra_k: list[torch.Tensor] = []  # step-m keys / values per query i (m >= 2), [H, n_m, d]
+    extra_v: list[torch.Tensor] = []
+    for s in range(2, steps + 1):
+        n = T - 1 - s
+        x = _project(head, hidden[-1][:n], tokens[s : s + n])
+        q, k, v = qkv(x, slice(s - 1, s - 1 + n))
+        k = k.repeat_interleave(groups, dim=0)
+        v = v.repeat_interleave(groups, dim=0)
+        extra_k = [e[:, :n] for e in extra_k] + [k]
+        extra_v = [e[:, :n] for e in extra_v] + [v]
+        scores = torch.matmul(q, k1x[:, :n1].transpose(1, 2)) * scale  # [H, n, n1]
+        causal = torch.ones(n, n1, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        diag = torch.stack([(q * e).sum(-1) * scale for e in extra_k], dim=-1)  # [H, n, s-1]
+        weights = torch.softmax(torch.cat([scores, diag], dim=-1), dim=-1)
+        attended = torch.matmul(weights[..., :n1], v1x)
+        attended = attended + (weights[..., n1:, None] * torch.stack(extra_v, dim=-2)).sum(-2)
+        hidden.append(finish(x, attended))
+    return UnrolledOutput(hidden=hidden)
+
+
+@dataclass
+class StepStats:
+    """Per unrolled step ``s``: summed ``sum_x min(p, q)`` (acceptance), top-1 agreement, and query count."""
+
+    acceptance: float = 0.0
+    top1: float = 0.0
+    count: int = 0
+
+
+def full_teacher(final: torch.Tensor, full_head_weight: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full-vocabulary log normaliser and argmax of the target at every position.
+
+    Args:
+        final: ``[T, h]`` final normed hidden states; full_head_weight: ``[V, h]`` the target's LM head.
+
+    Returns:
+        ``(log_z [T] float32, argmax [T] int64)`` of ``h_t @ W.T`` (computed in chunks of ``chunk`` rows).
+    """
+    logz, argmax = [], []
+    with torch.no_grad():
+        for a in range(0, final.shape[0], chunk):
+            logits = final[a : a + chunk].float() @ full_head_weight.T.float()
+            logz.append(torch.logsumexp(logits, dim=-1))
+            argmax.append(logits.argmax(-1))
+    return torch.cat(logz), torch.cat(argmax)
+
+
+def unrolled_loss(head, tokens: torch.Tensor, features: torch.Tensor, final: torch.Tensor, steps: int,
+                  step_weights: list[float], first_query: int = 0,
+                  teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  stats: list[StepStats] | None = None) -> torch.Tensor | None:
+    """Forward KL of the unrolled head to the target over the draft vocabulary, for one sequence.
+
+    Args:
+        head: an attached :class:`~specadapt.engine.eagle.EagleHead`.
+        tokens / features: see :func:`unrolled_forward`; ``final``: ``[T, h]`` the target's final normed hidden
+            states (``h_t``).
+        steps: unrolled steps ``k``; ``step_weights``: ``k`` loss weights.
+        first_query: the loss counts queries ``i >= first_query`` only (e.g. ``prompt_len - 2``: the positions
+            whose drafts predict answer tokens); earlier queries still give their keys.
+        teacher: :func:`full_teacher` of ``final``, needed for ``stats`` (the acceptance uses the
+            full-vocabulary ``p``).
+        stats: when given (``k`` entries), accumulated (no gradient).
+
+    Returns:
+        The weighted mean of the steps' mean KL (a scalar tensor), or ``None`` when no query is counted.
+
+    Raises:
+        ValueError: ``len(step_weights) != steps``, or ``stats`` without ``teacher``.
+    """
+    if len(step_weights) != steps:
+        raise ValueError(f"step_weights needs {steps} entries, got {len(step_weights)}")
+    if stats is not None and teacher is None:
+        raise ValueError("stats needs teacher (the acceptance uses the full-vocabulary p)")
+    out = unrolled_forward(head, tokens, features, steps)
+    _, norm, head_weight = head.shared
+    vocab = head.draft_vocab
+    total, counted = None, False
+    for s, g in enumerate(out.hidden, start=1):
+        n = g.shape[0]
+        lo = min(max(first_query, 0), n)
+        if lo >= n:
+            continue
+        g = g[lo:]
+        teacher_h = final[lo + s : n + s].float()  # h_{i+s} for queries i = lo .. n-1
+        with torch.no_grad():
+            t_logits = teacher_h @ head_weight.T.float()
+            p = torch.softmax(t_logits, dim=-1)
+        logq = torch.log_softmax(F.linear(norm(g), head_weight), dim=-1)
+        kl = (p * (torch.log(p.clamp_min(1e-30)) - logq)).sum(-1).mean()
+        term = step_weights[s - 1] * kl
+        total = term if total is None else total + term
+        counted = True
+        if stats is not None:
+            with torch.no_grad():
+                log_z, argmax = teacher[0][lo + s : n + s], teacher[1][lo + s : n + s]
+                p_full = (t_logits - log_z[:, None]).exp()  # full-vocabulary p on the draft vocabulary
+                q = logq.detach().exp()
+                st = stats[s - 1]
+                st.acceptance += float(torch.minimum(p_full, q).sum())
+                st.top1 += float((argmax == vocab[q.argmax(-1)]).sum())
+                st.count += int(g.shape[0])
+    if not counted:
+        return None
+    return total / sum(step_weights)

@@ -1,0 +1,297 @@
+"""Draft-head training (issue 15): the prompt split, the data shards, the unrolled EAGLE-3 objective."""
+
+from __future__ import annotations
+
+import torch
+import pytest
+
+from specadapt.draft_train.split import evaluation_prompt_ids, training_prompts
+from specadapt.draft_train.unroll import StepStats, full_teacher, unrolled_forward, unrolled_loss
+from specadapt.engine.eagle import EagleHead
+from tests.helpers.models import tiny_llama
+
+
+def _head(vocab=40, hidden=32, draft_vocab=None, seed=1):
+    target = tiny_llama(vocab=vocab, hidden=hidden, layers=3, seed=0)
+    torch.manual_seed(seed)
+    head = EagleHead(target.config, (1, 2, 3), draft_vocab).attach(target)
+    for p in head.parameters():  # a trained-looking head: not the near-identity init
+        torch.nn.init.normal_(p, std=0.3) if p.dim() > 1 else None
+    return target, head
+
+
+def _incremental(head, tokens, features, steps, i):
+    """What the drafting loop computes after committed position i: feed the real pairs 0..i, then draft
+    ``steps - 1`` more tokens feeding the head's own outputs with the *real* next tokens (teacher forcing)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=head.config)
+    out = head(tokens[1 : i + 2][None], features[: i + 1][None], position_ids=torch.arange(i + 1)[None], cache=cache,
+               use_cache=True)
+    g = out.hidden[:, -1:]
+    outs = [g[0, 0]]
+    for s in range(2, steps + 1):
+        out = head(tokens[i + s : i + s + 1][None], g, position_ids=torch.tensor([[i + s - 1]]), cache=cache,
+                   use_cache=True)
+        g = out.hidden[:, -1:]
+        outs.append(g[0, 0])
+    return outs
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 4])
+def test_unrolled_forward_equals_step_by_step_drafting(steps):
+    _, head = _head()
+    T = 19
+    g = torch.Generator().manual_seed(steps)
+    tokens = torch.randint(0, 40, (T,), generator=g)
+    features = torch.randn(T, 3 * 32, generator=g)
+    with torch.no_grad():
+        out = unrolled_forward(head, tokens, features, steps)
+        assert [h.shape[0] for h in out.hidden] == [T - 1 - s for s in range(1, steps + 1)]
+        for i in (0, 1, 5, T - 2 - steps):
+            ref = _incremental(head, tokens, features, steps, i)
+            for s in range(steps):
+                torch.testing.assert_close(out.hidden[s][i], ref[s], atol=2e-5, rtol=2e-5)
+
+
+def test_unrolled_forward_rejects_bad_input():
+    _, head = _head()
+    with pytest.raises(ValueError, match="steps"):
+        unrolled_forward(head, torch.zeros(10, dtype=torch.int64), torch.zeros(10, 96), 0)
+    with pytest.raises(ValueError, match="too short"):
+        unrolled_forward(head, torch.zeros(4, dtype=torch.int64), torch.zeros(4, 96), 3)
+    with pytest.raises(ValueError, match="features"):
+        unrolled_forward(head, torch.zeros(10, dtype=torch.int64), torch.zeros(9, 96), 2)
+
+
+def test_unrolled_loss_teacher_and_acceptance():
+    """The loss is the forward KL to the renormalised teacher; a head that equals the teacher gets KL 0 and
+    acceptance = the teacher's mass on the draft vocabulary."""
+    target, head = _head(draft_vocab=torch.arange(0, 40, 2))
+    T = 16
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 40, (T,), generator=g)
+    features = torch.randn(T, 96, generator=g)
+    final = torch.randn(T, 32, generator=g)
+    _, norm, w = head.shared
+    full = target.get_output_embeddings().weight
+    stats = [StepStats() for _ in range(2)]
+    loss = unrolled_loss(head, tokens, features, final, 2, [1.0, 0.5], first_query=3, teacher=full_teacher(final, full, chunk=5),
+                         stats=stats)
+    out = unrolled_forward(head, tokens, features, 2)
+    expect = 0.0
+    for s, wt in ((1, 1.0), (2, 0.5)):
+        gs = out.hidden[s - 1][3:]
+        n = out.hidden[s - 1].shape[0]
+        p = torch.softmax(final[3 + s : n + s] @ w.T, -1)
+        logq = torch.log_softmax(norm(gs) @ w.T, -1)
+        expect = expect + wt * (p * (p.log() - logq)).sum(-1).mean()
+        pf = torch.softmax(final[3 + s : n + s] @ full.T, -1)[:, ::2]
+        acc = torch.minimum(pf, logq.exp()).sum()
+        assert stats[s - 1].count == n - 3
+        assert stats[s - 1].acceptance == pytest.approx(float(acc.detach()), rel=1e-5)
+        top1 = (torch.softmax(final[3 + s : n + s] @ full.T, -1).argmax(-1) == 2 * logq.argmax(-1)).sum()
+        assert stats[s - 1].top1 == float(top1)
+    torch.testing.assert_close(loss, expect / 1.5)
+    loss.backward()
+    assert head.fuse.weight.grad is not None and head.fuse.weight.grad.abs().sum() > 0
+    assert unrolled_loss(head, tokens, features, final, 2, [1.0, 0.5], first_query=T) is None
+    with pytest.raises(ValueError, match="step_weights"):
+        unrolled_loss(head, tokens, features, final, 2, [1.0])
+    with pytest.raises(ValueError, match="teacher"):
+        unrolled_loss(head, tokens, features, final, 2, [1.0, 0.5], stats=stats)
+
+
+def test_split_keeps_evaluation_prompts_out_of_training():
+    train = training_prompts()
+    keys = {p.key for p in train}
+    assert len(keys) == len(train) == 400 + 134
+    assert not keys & evaluation_prompt_ids()
+    assert not any(k.startswith("aime24") for k in keys)
+    from specadapt.datasets import load_prompts
+
+    eval_texts = {p.text for p in load_prompts("aime24")} | {p.text for p in load_prompts("math500")[:100]}
+    eval_texts |= {p.text for p in load_prompts("livecodebench")[:32]}
+    assert not eval_texts & {p.text for p in train}
+
+
+# ---- data generation ---------------------------------------------------------------------------------------
+from specadapt.draft_train.data import GenerationConfig, generate_shards, iter_sequences, shard_paths  # noqa: E402
+from specadapt.engine.eagle import default_feature_layers  # noqa: E402
+
+
+def _tiny_target(model_dir, forward):
+    from specadapt.engine.models import attach_forward, load_model
+
+    target = load_model(str(model_dir))
+    attach_forward(target, forward, "float32")
+    return target
+
+
+def _generate(target, out, **kw):
+    config = GenerationConfig(**{"max_new_tokens": 12, "min_tokens": 40, "batch_size": 3, "shard_sequences": 2,
+                                 "max_samples_per_prompt": 4, **kw})
+    layers = default_feature_layers(target.model.config.num_hidden_layers)
+    return generate_shards(target, training_prompts()[:4], out, config, layers, progress=False)
+
+
+@pytest.mark.parametrize("forward", ["native", "hf"])
+def test_generated_sequences_carry_the_target_forward(tiny_model_dir, tmp_path, forward):
+    """Each stored row is the target's hidden states of that position (a fresh full forward), answers end at
+    EOS or the length limit, and the last row (no forward consumed the last token) is zero."""
+    target = _tiny_target(tiny_model_dir, forward)
+    summary = _generate(target, tmp_path / "d")
+    assert summary["total_generated_tokens"] >= 40
+    seqs = list(iter_sequences(tmp_path / "d"))
+    assert len(seqs) == summary["sequences"] and len(shard_paths(tmp_path / "d")) == summary["shards"]
+    layers = default_feature_layers(target.model.config.num_hidden_layers)
+    eos = target.eos_token_ids()
+    for s in seqs:
+        answer = s.tokens[s.prompt_len :].tolist()
+        assert 1 <= len(answer) <= 12
+        assert len(answer) == 12 or answer[-1] in eos
+        assert not any(t in eos for t in answer[:-1])
+        with torch.no_grad():
+            hs = target.model(input_ids=s.tokens[None], output_hidden_states=True).hidden_states
+        features = torch.cat([hs[i][0] for i in layers], dim=-1)
+        n = s.tokens.numel() - 1
+        torch.testing.assert_close(s.features[:n].float(), features[:n], atol=0.02, rtol=0.01)
+        torch.testing.assert_close(s.final[:n].float(), hs[-1][0][:n], atol=0.02, rtol=0.01)
+        assert s.features[n].abs().sum() == 0 and s.final[n].abs().sum() == 0
+
+
+def test_generation_resumes_and_a_job_does_not_depend_on_its_batch(tiny_model_dir, tmp_path):
+    target = _tiny_target(tiny_model_dir, "native")
+    first = _generate(target, tmp_path / "d", min_tokens=20)
+    again = _generate(target, tmp_path / "d", min_tokens=60)
+    seqs = list(iter_sequences(tmp_path / "d"))
+    jobs = [s.job for s in seqs]
+    assert len(jobs) == len(set(jobs)) == first["sequences"] + again["sequences"]
+    assert again["total_generated_tokens"] >= 60 and again["sequences"] > 0
+    assert sorted(jobs)[0] == (0, 0) and all(j[1] == 0 for j in jobs[:4])  # sample-major order
+    single = _generate(target, tmp_path / "single", min_tokens=60, batch_size=1)
+    assert single["total_generated_tokens"] >= 60
+    by_job = {s.job: s.tokens for s in iter_sequences(tmp_path / "single")}
+    common = [s for s in seqs if s.job in by_job]
+    assert len(common) >= 3
+    for s in common:
+        assert torch.equal(s.tokens, by_job[s.job]), s.job
+
+
+def test_generation_refuses_another_configuration(tiny_model_dir, tmp_path):
+    target = _tiny_target(tiny_model_dir, "native")
+    _generate(target, tmp_path / "d", min_tokens=5)
+    with pytest.raises(ValueError, match="top_p"):
+        _generate(target, tmp_path / "d", min_tokens=5, top_p=0.5)
+    with pytest.raises(ValueError, match="prompts must not be empty"):
+        generate_shards(target, [], tmp_path / "e", GenerationConfig(), (1, 1, 2))
+
+
+@pytest.mark.parametrize("field,value", [("max_new_tokens", 0), ("batch_size", 0), ("top_p", 1.5),
+                                         ("temperature", -1.0), ("shard_sequences", 0)])
+def test_generation_config_names_the_bad_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        GenerationConfig(**{field: value})
+
+
+# ---- vocabulary ----------------------------------------------------------------------------------------------
+from specadapt.draft_train.vocab import answer_token_counts, coverage, top_vocabulary  # noqa: E402
+
+
+def test_vocabulary_is_the_most_frequent_answer_tokens():
+    from types import SimpleNamespace
+
+    seqs = [SimpleNamespace(tokens=torch.tensor([9, 9, 1, 1, 1, 2, 2, 3]), prompt_len=2),
+            SimpleNamespace(tokens=torch.tensor([5, 4, 4, 2]), prompt_len=1)]
+    counts = answer_token_counts(seqs, 10)
+    assert counts.tolist() == [0, 3, 3, 1, 2, 0, 0, 0, 0, 0]  # prompts (the 9s, the first 5) not counted
+    assert top_vocabulary(counts, 3).tolist() == [1, 2, 4]
+    assert top_vocabulary(counts, 3, always=[8]).tolist() == [1, 2, 8]
+    assert top_vocabulary(counts, 5).tolist() == [0, 1, 2, 3, 4]  # ties among zeros: lower ids first
+    assert coverage(torch.tensor([1, 2, 7, 7]), torch.tensor([1, 2])) == 0.5
+    with pytest.raises(ValueError, match="draft vocabulary size"):
+        top_vocabulary(counts, 11)
+
+
+# ---- training ------------------------------------------------------------------------------------------------
+from specadapt.draft_train.train import TrainConfig, evaluate_head, split_by_prompt, train_head  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    from tests.helpers.models import WORDS, save_tiny_model_dir
+
+    model_dir = save_tiny_model_dir(tmp_path_factory.mktemp("tiny_model_train"), WORDS)
+    target = _tiny_target(model_dir, "native")
+    out = tmp_path_factory.mktemp("data")
+    _generate(target, out, min_tokens=400, max_new_tokens=40, batch_size=4, shard_sequences=8)
+    return target, list(iter_sequences(out))
+
+
+def test_split_by_prompt_never_shares_a_prompt(tiny_data):
+    _, seqs = tiny_data
+    train, val = split_by_prompt(seqs, 0.25, seed=0)
+    assert train and val and len(train) + len(val) == len(seqs)
+    assert not {s.job[0] for s in train} & {s.job[0] for s in val}
+    with pytest.raises(ValueError, match="fraction"):
+        split_by_prompt(seqs, 1.0)
+
+
+def _fresh_head(target, seed=0):
+    torch.manual_seed(seed)
+    layers = default_feature_layers(target.model.config.num_hidden_layers)
+    return EagleHead(target.model.config, layers, None).attach(target.model)
+
+
+def test_training_raises_validation_acceptance_and_resumes(tiny_data, tmp_path):
+    target, seqs = tiny_data
+    train, val = split_by_prompt(seqs, 0.25, seed=0)
+    full = target.model.get_output_embeddings().weight
+    config = TrainConfig(steps=3, epochs=6, batch=2, lr=3e-3, warmup=2, eval_every=5, patience=100, seed=0)
+    head = _fresh_head(target)
+    log = train_head(head, train, val, full, config, checkpoint=tmp_path / "ck.pt", progress=False)
+    before, best = log["validation_before"], log["best"]
+    assert best["acceptance"][0] > before["acceptance"][0] + 0.05
+    assert best["loss"] < before["loss"]
+    assert len(best["acceptance"]) == 3 and all(0 <= a <= 1 for a in best["acceptance"])
+    # the head ends with the best weights
+    from specadapt.draft_train.unroll import full_teacher
+
+    teachers = [full_teacher(s.final, full) for s in val]
+    again = evaluate_head(head, val, 3, teachers, config.step_weights)
+    assert again["acceptance"] == pytest.approx(best["acceptance"], rel=1e-6)
+    # resuming a finished run does no more steps; another configuration is refused
+    resumed = train_head(_fresh_head(target, seed=5), train, val, full, config, checkpoint=tmp_path / "ck.pt",
+                         progress=False)
+    assert resumed["steps"] == log["steps"]
+    assert resumed["best"]["acceptance"] == pytest.approx(best["acceptance"], rel=1e-6)
+    with pytest.raises(ValueError, match="another configuration"):
+        train_head(_fresh_head(target), train, val, full, TrainConfig(steps=2), checkpoint=tmp_path / "ck.pt",
+                   progress=False)
+
+
+def test_interrupted_training_resumes_where_it_stopped(tiny_data, tmp_path):
+    """A run stopped by max_minutes and resumed ends where an uninterrupted run ends, bit for bit."""
+    target, seqs = tiny_data
+    train, val = split_by_prompt(seqs, 0.25, seed=0)
+    full = target.model.get_output_embeddings().weight
+    config = TrainConfig(steps=2, epochs=2, batch=2, lr=3e-3, warmup=2, eval_every=3, patience=100, seed=1)
+    part = _fresh_head(target)
+    short = TrainConfig(**{**config.__dict__, "max_minutes": 1e-9})
+    first = train_head(part, train, val, full, short, checkpoint=tmp_path / "ck.pt", progress=False)
+    assert first["stopped"] == "max_minutes" and first["steps"] == 1
+    ck = torch.load(tmp_path / "ck.pt", weights_only=False)
+    ck["config"] = config.__dict__  # continue the same run without the time limit
+    torch.save(ck, tmp_path / "ck.pt")
+    rest = train_head(_fresh_head(target, seed=9), train, val, full, config, checkpoint=tmp_path / "ck.pt",
+                      progress=False)
+    assert rest["stopped"] == "epochs"
+    fresh = train_head(_fresh_head(target), train, val, full, config, progress=False)
+    assert rest["steps"] == fresh["steps"]
+    assert rest["best"]["acceptance"] == pytest.approx(fresh["best"]["acceptance"], abs=1e-6)
+
+
+@pytest.mark.parametrize("field,value", [("steps", 0), ("batch", 0), ("step_decay", 0.0), ("lr", 0.0)])
+def test_train_config_names_the_bad_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        TrainConfig(**{field: value})
