@@ -48,10 +48,16 @@ def test_unrolled_forward_equals_step_by_step_drafting(steps):
     with torch.no_grad():
         out = unrolled_forward(head, tokens, features, steps)
         assert [h.shape[0] for h in out.hidden] == [T - 1 - s for s in range(1, steps + 1)]
-        for i in (0, 1, 5, T - 2 - steps):
+        late = unrolled_forward(head, tokens, features, steps, first_query=5)
+        assert late.first == [0] + [5] * (steps - 1)
+        for i in (0, 1, 5, 7, T - 2 - steps):
             ref = _incremental(head, tokens, features, steps, i)
             for s in range(steps):
                 torch.testing.assert_close(out.hidden[s][i], ref[s], atol=2e-5, rtol=2e-5)
+                if i >= late.first[s]:
+                    torch.testing.assert_close(late.hidden[s][i - late.first[s]], ref[s], atol=2e-5, rtol=2e-5)
+        none = unrolled_forward(head, tokens, features, steps, first_query=T)
+        assert [h.shape[0] for h in none.hidden[1:]] == [0] * (steps - 1)
 
 
 def test_unrolled_forward_rejects_bad_input():
@@ -79,6 +85,7 @@ def test_unrolled_loss_teacher_and_acceptance():
     loss = unrolled_loss(head, tokens, features, final, 2, [1.0, 0.5], first_query=3, teacher=full_teacher(final, full, chunk=5),
                          stats=stats)
     out = unrolled_forward(head, tokens, features, 2)
+    assert out.first == [0, 0]
     expect = 0.0
     for s, wt in ((1, 1.0), (2, 0.5)):
         gs = out.hidden[s - 1][3:]

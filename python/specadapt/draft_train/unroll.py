@@ -34,10 +34,12 @@ __all__ = ["UnrolledOutput", "unrolled_forward", "unrolled_loss", "StepStats", "
 
 @dataclass
 class UnrolledOutput:
-    """``hidden[s]``: ``[n_s, h]`` outputs of step ``s + 1`` at queries ``i = 0 .. n_s - 1``
-    (``n_s = T - 1 - s``: step ``s + 1`` at query ``i`` needs the token ``x_{i+s+1}``)."""
+    """``hidden[s]``: ``[n_s - first[s], h]`` outputs of step ``s + 1`` at queries ``i = first[s] .. n_s - 1``
+    (``n_s = T - 2 - s``: step ``s + 1`` at query ``i`` needs the token ``x_{i+s+1}``; step 1 runs at every
+    query, later steps from ``first_query`` on)."""
 
     hidden: list[torch.Tensor]
+    first: list[int]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -57,7 +59,8 @@ def _project(head, features: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return head.input_proj(torch.cat([embed(ids).to(features.dtype), features], dim=-1))
 
 
-def unrolled_forward(head, tokens: torch.Tensor, features: torch.Tensor, steps: int) -> UnrolledOutput:
+def unrolled_forward(head, tokens: torch.Tensor, features: torch.Tensor, steps: int,
+                     first_query: int = 0) -> UnrolledOutput:
     """Run ``steps`` unrolled drafting steps of ``head`` over one sequence (see the module docstring).
 
     Args:
@@ -65,6 +68,8 @@ def unrolled_forward(head, tokens: torch.Tensor, features: torch.Tensor, steps: 
         tokens: ``[T] int64`` the sequence.
         features: ``[T, 3h]`` target features ``f_t`` (any float dtype; rows ``T-2``, ``T-1`` unused).
         steps: ``k >= 1``.
+        first_query: steps ``2 .. k`` run only at queries ``i >= first_query`` (the step-1 keys of every
+            position are still computed: later queries attend to them).
 
     Returns:
         :class:`UnrolledOutput` with ``k`` tensors (differentiable in the head's parameters).
@@ -115,23 +120,32 @@ def unrolled_forward(head, tokens: torch.Tensor, features: torch.Tensor, steps: 
     hidden = [finish(x1, out)]
     extra_k: list[torch.Tensor] = []  # step-m keys / values per query i (m >= 2), [H, n_m, d]
     extra_v: list[torch.Tensor] = []
+    first = [0]
+    lo = max(int(first_query), 0)
     for s in range(2, steps + 1):
         n = T - 1 - s
-        x = _project(head, hidden[-1][:n], tokens[s : s + n])
-        q, k, v = qkv(x, slice(s - 1, s - 1 + n))
+        if lo >= n:  # no query left for this step (nor for later ones)
+            hidden.append(hidden[-1][:0])
+            first.append(n)
+            continue
+        prev = hidden[-1][lo - first[-1] : n - first[-1]]
+        x = _project(head, prev, tokens[lo + s : n + s])
+        q, k, v = qkv(x, slice(lo + s - 1, n + s - 1))
         k = k.repeat_interleave(groups, dim=0)
         v = v.repeat_interleave(groups, dim=0)
-        extra_k = [e[:, :n] for e in extra_k] + [k]
-        extra_v = [e[:, :n] for e in extra_v] + [v]
-        scores = torch.matmul(q, k1x[:, :n1].transpose(1, 2)) * scale  # [H, n, n1]
-        causal = torch.ones(n, n1, dtype=torch.bool, device=q.device).tril()
+        width = n - lo
+        extra_k = [e[:, :width] for e in extra_k] + [k]
+        extra_v = [e[:, :width] for e in extra_v] + [v]
+        scores = torch.matmul(q, k1x.transpose(1, 2)) * scale  # [H, width, n1]
+        causal = torch.arange(n1, device=q.device)[None, :] <= torch.arange(lo, n, device=q.device)[:, None]
         scores = scores.masked_fill(~causal, float("-inf"))
-        diag = torch.stack([(q * e).sum(-1) * scale for e in extra_k], dim=-1)  # [H, n, s-1]
+        diag = torch.stack([(q * e).sum(-1) * scale for e in extra_k], dim=-1)  # [H, width, s-1]
         weights = torch.softmax(torch.cat([scores, diag], dim=-1), dim=-1)
         attended = torch.matmul(weights[..., :n1], v1x)
         attended = attended + (weights[..., n1:, None] * torch.stack(extra_v, dim=-2)).sum(-2)
         hidden.append(finish(x, attended))
-    return UnrolledOutput(hidden=hidden)
+        first.append(lo)
+    return UnrolledOutput(hidden=hidden, first=first)
 
 
 @dataclass
@@ -188,16 +202,16 @@ def unrolled_loss(head, tokens: torch.Tensor, features: torch.Tensor, final: tor
         raise ValueError(f"step_weights needs {steps} entries, got {len(step_weights)}")
     if stats is not None and teacher is None:
         raise ValueError("stats needs teacher (the acceptance uses the full-vocabulary p)")
-    out = unrolled_forward(head, tokens, features, steps)
+    out = unrolled_forward(head, tokens, features, steps, first_query=first_query)
     _, norm, head_weight = head.shared
     vocab = head.draft_vocab
     total, counted = None, False
-    for s, g in enumerate(out.hidden, start=1):
-        n = g.shape[0]
-        lo = min(max(first_query, 0), n)
+    for s, (g, first) in enumerate(zip(out.hidden, out.first), start=1):
+        n = first + g.shape[0]  # queries first .. n-1
+        lo = max(first_query, first, 0)
         if lo >= n:
             continue
-        g = g[lo:]
+        g = g[lo - first :]
         teacher_h = final[lo + s : n + s].float()  # h_{i+s} for queries i = lo .. n-1
         with torch.no_grad():
             t_logits = teacher_h @ head_weight.T.float()
