@@ -57,7 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="head file (default: the packaged eagle_smollm2_135m.safetensors)")
     p.add_argument("--log", default=str(ROOT / "runs" / "train_draft_log.json"))
     p.add_argument("--compare", default=None,
-                   help="an existing head evaluated on the same validation split (default: the packaged head)")
+                   help="an existing head evaluated on the same validation split (default: the packaged head; "
+                        "'none' skips it)")
     p.add_argument("--vocab-study", action="store_true", help="only measure coverage vs draft-step cost per size")
     return p.parse_args(argv)
 
@@ -179,7 +180,7 @@ def main(argv=None) -> int:
     full_weight = target.model.get_output_embeddings().weight.detach()
     compare_path = Path(args.compare) if args.compare else eagle_default_path()
     compare = None
-    if compare_path.is_file():
+    if args.compare != "none" and compare_path.is_file():
         old = load_eagle_head(compare_path, target.model, dtype=torch.float32)
         teachers = [full_teacher(s.final, full_weight) for s in validation]
         compare = {"file": str(compare_path), "draft_vocab": int(old.draft_vocab.numel()),

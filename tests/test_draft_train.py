@@ -302,3 +302,46 @@ def test_interrupted_training_resumes_where_it_stopped(tiny_data, tmp_path):
 def test_train_config_names_the_bad_field(field, value):
     with pytest.raises(ValueError, match=field):
         TrainConfig(**{field: value})
+
+
+# ---- the two scripts, end to end on a tiny model --------------------------------------------------------------
+def _script(name):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_scripts_generate_train_and_write_a_loadable_head(tiny_model_dir, tmp_path, capsys):
+    import json
+
+    from specadapt.engine.eagle import load_eagle_head
+    from specadapt.engine.models import load_model
+
+    gen, train = _script("gen_draft_data"), _script("train_draft")
+    data = tmp_path / "data"
+    assert gen.main(["--target", str(tiny_model_dir), "--out", str(data), "--min-tokens", "150",
+                     "--max-new-tokens", "24", "--batch-size", "4", "--limit-prompts", "6"]) == 0
+    out, log = tmp_path / "head.safetensors", tmp_path / "log.json"
+    assert train.main(["--target", str(tiny_model_dir), "--data", str(data), "--draft-vocab", "20", "--epochs", "1",
+                       "--batch", "2", "--eval-every", "2", "--val-fraction", "0.3", "--compare", "none",
+                       "--checkpoint", str(tmp_path / "ck.pt"), "--out", str(out), "--log", str(log)]) == 0
+    info = json.loads(log.read_text())
+    assert info["draft_vocab"] == 20 and info["data"]["generated_tokens"] >= 150
+    assert len(info["training"]["best"]["acceptance"]) == 3
+    head = load_eagle_head(out, load_model(str(tiny_model_dir)).model)
+    assert head.draft_vocab.numel() == 20 and 2 in head.draft_vocab.tolist()  # EOS always in the vocabulary
+    # bad input: one-line errors, exit 2
+    assert gen.main(["--target", str(tiny_model_dir), "--out", str(data), "--top-p", "0"]) == 2
+    assert "top_p" in capsys.readouterr().err
+    assert gen.main(["--target", str(tiny_model_dir), "--out", str(data), "--min-tokens", "150",
+                     "--max-new-tokens", "25", "--limit-prompts", "6"]) == 2
+    assert "--out" in capsys.readouterr().err
+    assert train.main(["--data", str(tmp_path / "nothing")]) == 2
+    assert "no generated data" in capsys.readouterr().err
+    assert train.main(["--data", str(data), "--steps", "0"]) == 2
+    assert "steps" in capsys.readouterr().err
