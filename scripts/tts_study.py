@@ -9,8 +9,15 @@ the target-only baseline (``--baseline``), whose tokens/s every row's speedup us
         --limit 3 --max-new-tokens 4096 --out results/tts_T1.0
 
 Every request decodes the full --max-new-tokens (``--ignore-eos``), so each position bucket holds the same
-requests in every setting. Writes one JSON per setting under --out, the table to --out/table.md, and the acceptance-vs-position plot to
+requests in every setting. With ``--session N`` the study runs long sessions instead (``specadapt generate
+--session N``: every answer ends at its natural EOS and the next problem is a new user turn until the context
+is nearly full) and buckets acceptance by absolute context position 0-512-1K-2K-4K-8K, the regime of
+docs/draft_training.md. ``--compare-drafts`` adds rows for other drafts (e.g. an older head file) without TTS.
+Writes one JSON per setting under --out, the table to --out/table.md, and the acceptance-vs-position plot to
 --out/acceptance.png (scripts/plot_acceptance.py).
+
+    python scripts/tts_study.py --session 3 --limit 0 --strides 2 5 --max-new-tokens 2048 \
+        --compare-drafts eagle:runs/eagle_old.safetensors --out results/sessions_aime24
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from pathlib import Path
 
 TABLE_BUCKETS = [(0, 512), (512, 1024), (1024, 2048), (2048, 4096)]
 FINE_EDGES = "0,256,512,768,1024,1536,2048,2560,3072,3584,4096,8192"
+SESSION_BUCKETS = [(0, 512), (512, 1024), (1024, 2048), (2048, 4096), (4096, 8192)]
+SESSION_EDGES = "0,512,1024,2048,4096,8192"
 
 
 def _fmt(v, spec=".2f"):
@@ -42,6 +51,8 @@ def bucket_acceptance(summary: dict, start: int, end: int) -> float | None:
 def label(report: dict) -> str:
     c = report["config"]
     name = c["draft"]
+    if name.startswith("eagle:"):
+        name = "eagle (" + Path(name[len("eagle:"):]).stem + ")"
     if c.get("tts"):
         name += f" + TTS S={c['tts_stride']}"
         if c.get("tts_params") == "lora":
@@ -49,10 +60,10 @@ def label(report: dict) -> str:
     return name
 
 
-def table(reports: list[dict], baseline_tps: float | None) -> str:
-    head = ("| setting | acc. len | " + " | ".join(f"[{a}, {b})" for a, b in TABLE_BUCKETS)
+def table(reports: list[dict], baseline_tps: float | None, buckets=TABLE_BUCKETS) -> str:
+    head = ("| setting | acc. len | " + " | ".join(f"[{a}, {b})" for a, b in buckets)
             + " | tok/s | speedup vs target-only | repeat rate | updates / skipped / rollbacks | publish wait s | TTS MB (x trainable) |")
-    lines = [head, "|" + "---|" * (8 + len(TABLE_BUCKETS))]
+    lines = [head, "|" + "---|" * (8 + len(buckets))]
     for r in reports:
         s, c = r["summary"], r["config"]
         t = c.get("tts_stats")
@@ -67,7 +78,7 @@ def table(reports: list[dict], baseline_tps: float | None) -> str:
         speedup = tps / baseline_tps if tps and baseline_tps else None
         lines.append(
             f"| {label(r)} | {_fmt(s['acceptance_length'])} | "
-            + " | ".join(_fmt(bucket_acceptance(s, a, b)) for a, b in TABLE_BUCKETS)
+            + " | ".join(_fmt(bucket_acceptance(s, a, b)) for a, b in buckets)
             + f" | {_fmt(tps, '.1f')} | {_fmt(speedup)} | {_fmt(s['ngram_repeat_rate'])} | {counts} | {wait} | {memory} |"
         )
     if baseline_tps:
@@ -85,6 +96,9 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=4096)
     ap.add_argument("--num-draft-tokens", type=int, default=5)
     ap.add_argument("--batch-size", type=int, default=3)
+    ap.add_argument("--session", type=int, default=0,
+                    help="N > 0: N long sessions filled to the context (natural EOS, no --ignore-eos)")
+    ap.add_argument("--compare-drafts", nargs="*", default=[], help="more drafts run without TTS (e.g. eagle:OLD_FILE)")
     ap.add_argument("--no-ngram", action="store_true", help="skip the ngram + target-only baseline run")
     ap.add_argument("--skip-existing", action="store_true", help="reuse JSON files already under --out")
     ap.add_argument("--out", default="results/tts_study")
@@ -92,10 +106,16 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.session < 0:
+        ap.error("--session must be >= 0")
+    mode = (["--session", str(args.session), "--bucket-edges", SESSION_EDGES] if args.session
+            else ["--bucket-edges", FINE_EDGES, "--ignore-eos"])
     common = ["--dataset", args.dataset, "--temperature", str(args.temperature), "--limit", str(args.limit),
               "--max-new-tokens", str(args.max_new_tokens), "--num-draft-tokens", str(args.num_draft_tokens),
-              "--batch-size", str(args.batch_size), "--bucket-edges", FINE_EDGES, "--ignore-eos", *args.extra]
+              "--batch-size", str(args.batch_size), *mode, *args.extra]
     settings = [] if args.no_ngram else [("ngram", ["--draft", "ngram", "--baseline"])]
+    for other in args.compare_drafts:
+        settings.append((Path(other.split(":", 1)[-1]).stem if ":" in other else other, ["--draft", other]))
     settings.append((args.draft.replace(":", ""), ["--draft", args.draft]))
     for stride in args.strides:
         settings.append((f"{args.draft.replace(':', '')}_tts_S{stride}", ["--draft", args.draft, "--tts", "--tts-stride", str(stride)]))
@@ -108,13 +128,14 @@ def main() -> int:
             subprocess.run(cmd, check=True)
         reports.append(json.loads(path.read_text()))
     baseline = next((r["summary"]["baseline_tokens_per_s"] for r in reports if r["summary"].get("baseline_tokens_per_s")), None)
-    md = table(reports, baseline)
+    md = table(reports, baseline, SESSION_BUCKETS if args.session else TABLE_BUCKETS)
     (out / "table.md").write_text(md + "\n")
     print(md)
     plot = Path(__file__).with_name("plot_acceptance.py")
     subprocess.run([sys.executable, str(plot), *[str(out / f"{n}.json") for n, _ in settings],
                     "--out", str(out / "acceptance.png"), "--title",
-                    f"{args.dataset}, T={args.temperature}, L={args.num_draft_tokens}, {args.limit} prompts"], check=True)
+                    f"{args.dataset}, T={args.temperature}, L={args.num_draft_tokens}, "
+                    + (f"{args.session} sessions" if args.session else f"{args.limit} prompts")], check=True)
     return 0
 
 
