@@ -169,7 +169,9 @@ def train_head(head, train: list, validation: list, full_head_weight: torch.Tens
     ckpt = Path(checkpoint) if checkpoint else None
     if ckpt is not None and ckpt.is_file():
         saved = torch.load(ckpt, weights_only=False)
-        if saved["config"] != asdict(config):
+        stopping = ("max_minutes", "patience", "eval_every")  # stopping rules may change on resume
+        if {k: v for k, v in saved["config"].items() if k not in stopping} != \
+                {k: v for k, v in asdict(config).items() if k not in stopping}:
             raise ValueError(f"checkpoint {ckpt} was written with another configuration; use a new --checkpoint")
         head.load_state_dict(saved["head"])
         opt.load_state_dict(saved["optimizer"])

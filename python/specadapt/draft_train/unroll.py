@@ -205,6 +205,14 @@ def unrolled_loss(head, tokens: torch.Tensor, features: torch.Tensor, final: tor
     out = unrolled_forward(head, tokens, features, steps, first_query=first_query)
     _, norm, head_weight = head.shared
     vocab = head.draft_vocab
+    T = int(tokens.shape[0])
+    base = max(int(first_query), 0) + 1  # teacher rows h_{i+s} of every counted query: [base, T-1)
+    if base >= T - 1:
+        return None
+    with torch.no_grad():  # the teacher once per sequence: step s reads rows i + s
+        t_logits_all = final[base : T - 1].float() @ head_weight.T.float()
+        p_all = torch.softmax(t_logits_all, dim=-1)
+        neg_entropy_all = (p_all * torch.log(p_all.clamp_min(1e-30))).sum(-1)
     total, counted = None, False
     for s, (g, first) in enumerate(zip(out.hidden, out.first), start=1):
         n = first + g.shape[0]  # queries first .. n-1
@@ -212,12 +220,11 @@ def unrolled_loss(head, tokens: torch.Tensor, features: torch.Tensor, final: tor
         if lo >= n:
             continue
         g = g[lo - first :]
-        teacher_h = final[lo + s : n + s].float()  # h_{i+s} for queries i = lo .. n-1
-        with torch.no_grad():
-            t_logits = teacher_h @ head_weight.T.float()
-            p = torch.softmax(t_logits, dim=-1)
-        logq = torch.log_softmax(F.linear(norm(g), head_weight), dim=-1)
-        kl = (p * (torch.log(p.clamp_min(1e-30)) - logq)).sum(-1).mean()
+        rows = slice(lo + s - base, n + s - base)  # h_{i+s} for queries i = lo .. n-1
+        p, t_logits = p_all[rows], t_logits_all[rows]
+        logits = F.linear(norm(g), head_weight)
+        # forward KL(p || q) = cross-entropy(p, q) - H(p): one fused soft-label cross-entropy
+        kl = F.cross_entropy(logits, p) + neg_entropy_all[rows].mean()
         term = step_weights[s - 1] * kl
         total = term if total is None else total + term
         counted = True
@@ -225,7 +232,7 @@ def unrolled_loss(head, tokens: torch.Tensor, features: torch.Tensor, final: tor
             with torch.no_grad():
                 log_z, argmax = teacher[0][lo + s : n + s], teacher[1][lo + s : n + s]
                 p_full = (t_logits - log_z[:, None]).exp()  # full-vocabulary p on the draft vocabulary
-                q = logq.detach().exp()
+                q = torch.softmax(logits.detach(), dim=-1)
                 st = stats[s - 1]
                 st.acceptance += float(torch.minimum(p_full, q).sum())
                 st.top1 += float((argmax == vocab[q.argmax(-1)]).sum())
