@@ -62,8 +62,9 @@ def label(report: dict) -> str:
 
 def table(reports: list[dict], baseline_tps: float | None, buckets=TABLE_BUCKETS) -> str:
     head = ("| setting | acc. len | " + " | ".join(f"[{a}, {b})" for a, b in buckets)
-            + " | tok/s | speedup vs target-only | repeat rate | updates / skipped / rollbacks | publish wait s | TTS MB (x trainable) |")
-    lines = [head, "|" + "---|" * (8 + len(buckets))]
+            + " | tok/s | speedup vs target-only | repeat rate | tokens past first EOS | updates / skipped / rollbacks"
+              " | publish wait s | TTS MB (x trainable) |")
+    lines = [head, "|" + "---|" * (9 + len(buckets))]
     for r in reports:
         s, c = r["summary"], r["config"]
         t = c.get("tts_stats")
@@ -79,7 +80,8 @@ def table(reports: list[dict], baseline_tps: float | None, buckets=TABLE_BUCKETS
         lines.append(
             f"| {label(r)} | {_fmt(s['acceptance_length'])} | "
             + " | ".join(_fmt(bucket_acceptance(s, a, b)) for a, b in buckets)
-            + f" | {_fmt(tps, '.1f')} | {_fmt(speedup)} | {_fmt(s['ngram_repeat_rate'])} | {counts} | {wait} | {memory} |"
+            + f" | {_fmt(tps, '.1f')} | {_fmt(speedup)} | {_fmt(s['ngram_repeat_rate'])} | "
+            f"{_fmt(s.get('share_past_first_eos'), '.1%')} | {counts} | {wait} | {memory} |"
         )
     if baseline_tps:
         lines.append(f"\ntarget-only baseline (same prompts, same run as the ngram row): {baseline_tps:.1f} tok/s")

@@ -137,3 +137,24 @@ def test_engine_report_and_json_count_tokens_emitted_before_eos_and_the_cap():
     assert len(res.output_ids) == 4 and res.rounds[0].accepted == 5 and res.rounds[0].emitted == 4
     assert report["summary"]["acceptance_length"] == 4.0
     assert report["summary"]["accept_rate_by_draft_position"] == [1.0, 1.0, 1.0, 1.0, None]
+
+
+def test_tokens_past_first_eos_and_the_ignore_eos_share():
+    from types import SimpleNamespace
+
+    from specadapt.cli.report import build_report
+    from specadapt.engine.metrics import tokens_past_first_eos
+
+    assert tokens_past_first_eos([5, 6, 2, 7, 2, 8], {2}) == 3
+    assert tokens_past_first_eos([5, 6, 7], {2}) == 0
+    assert tokens_past_first_eos([2], {2, 9}) == 0
+    assert tokens_past_first_eos([1, 9, 4], {2, 9}) == 1
+    results = [SimpleNamespace(output_ids=ids, prompt_tokens=3, rounds=[], seconds=1.0, finished_by_eos=False)
+               for ids in ([1, 2, 3, 4], [5, 6, 7, 8, 9, 10])]
+    tok = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "")
+    prompts = [SimpleNamespace(id="a"), SimpleNamespace(id="b")]
+    report = build_report({}, prompts, tok, results, 1.0, None, None, (0,), 1, eos_ids={2, 7})
+    assert [r["tokens_past_first_eos"] for r in report["requests"]] == [2, 3]
+    assert report["summary"]["share_past_first_eos"] == pytest.approx(5 / 10)
+    plain = build_report({}, prompts, tok, results, 1.0, None, None, (0,), 1)
+    assert plain["summary"]["share_past_first_eos"] is None and "tokens_past_first_eos" not in plain["requests"][0]

@@ -140,7 +140,7 @@ def run(args) -> int:
     config = _run_config(args, built)
     report = build_report(
         config, prompts, target.tokenizer, spec_results, spec_seconds, base_results, base_seconds, edges,
-        args.num_draft_tokens,
+        args.num_draft_tokens, eos_ids=target.eos_token_ids() if args.ignore_eos else None,
     )
     print_report(report)
     if args.json:

@@ -8,7 +8,8 @@ JSON layout::
                    "accept_rate_by_draft_position": [...], "ngram_repeat_rate", "finished_by_eos", "text"}],
      "summary": {"acceptance_length", "tokens_per_s", "baseline_tokens_per_s", "speedup", "ngram_repeat_rate",
                  "acceptance_by_position", "accept_rate_by_draft_position", "output_tokens", "rounds",
-                 "seconds", "baseline_seconds", "baseline_ngram_repeat_rate"}}
+                 "seconds", "baseline_seconds", "baseline_ngram_repeat_rate",
+                 "share_past_first_eos" (--ignore-eos runs; else null)}}
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ..engine.metrics import (
     acceptance_length,
     accept_rate_by_draft_position,
     ngram_repeat_rate,
+    tokens_past_first_eos,
 )
 
 __all__ = ["build_report", "print_report", "write_json"]
@@ -38,8 +40,11 @@ def _repeat_rate_over(results) -> float | None:
     return hits / total if total else None
 
 
-def build_report(config, prompts, tokenizer, results, seconds, base_results, base_seconds, edges, num_draft_tokens):
-    """Assemble the JSON-able report of one run (see the module docstring for the layout)."""
+def build_report(config, prompts, tokenizer, results, seconds, base_results, base_seconds, edges, num_draft_tokens,
+                 eos_ids=None):
+    """Assemble the JSON-able report of one run (see the module docstring for the layout). ``eos_ids`` (given for
+    ``--ignore-eos`` runs) adds each request's ``tokens_past_first_eos`` and the summary's
+    ``share_past_first_eos``: the share of output tokens generated after the first natural EOS."""
     requests = []
     for prompt, res in zip(prompts, results):
         requests.append(
@@ -57,6 +62,8 @@ def build_report(config, prompts, tokenizer, results, seconds, base_results, bas
                 "text": tokenizer.decode(res.output_ids, skip_special_tokens=True),
             }
         )
+        if eos_ids is not None:
+            requests[-1]["tokens_past_first_eos"] = tokens_past_first_eos(res.output_ids, eos_ids)
     all_rounds = [r for res in results for r in res.rounds]
     out_tokens = sum(len(res.output_ids) for res in results)
     tps = out_tokens / seconds if seconds > 0 else None
@@ -77,6 +84,8 @@ def build_report(config, prompts, tokenizer, results, seconds, base_results, bas
         "baseline_seconds": base_seconds,
         "baseline_output_tokens": sum(len(r.output_ids) for r in base_results) if base_results else None,
         "baseline_ngram_repeat_rate": _repeat_rate_over(base_results) if base_results else None,
+        "share_past_first_eos": (sum(r["tokens_past_first_eos"] for r in requests) / out_tokens
+                                 if eos_ids is not None and out_tokens else None),
     }
     config = dict(config, machine=f"{platform.machine()} {platform.processor() or ''}".strip())
     return {"config": config, "requests": requests, "summary": summary}
@@ -129,6 +138,9 @@ def print_report(report: dict) -> None:
         if b["rounds"]
     )
     print(f"acceptance length by output position: {buckets}")
+    if s.get("share_past_first_eos") is not None:
+        print(f"--ignore-eos: {100 * s['share_past_first_eos']:.1f}% of the output tokens come after the first "
+              f"natural EOS (text past the model's end of turn)")
 
 
 def write_json(report: dict, path: str) -> None:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from .loop import RoundRecord
 
-__all__ = ["acceptance_length", "acceptance_by_position", "accept_rate_by_draft_position", "ngram_repeat_rate"]
+__all__ = ["acceptance_length", "acceptance_by_position", "accept_rate_by_draft_position", "ngram_repeat_rate",
+           "tokens_past_first_eos"]
 
 DEFAULT_BUCKET_EDGES = (0, 512, 1024, 2048, 4096, 8192)
 
@@ -81,3 +82,20 @@ def ngram_repeat_rate(tokens: list[int], n: int = 3) -> float | None:
         last_follower[key] = tokens[i]
     return hits / (len(tokens) - n)
 
+
+
+def tokens_past_first_eos(tokens: list[int], eos_ids) -> int:
+    """Tokens of an output after its first end-of-sequence token (``--ignore-eos`` runs go on past the model's
+    natural end; that text is not what the model answers, so figures over it say how much of it they hold).
+
+    Args:
+        tokens: the output ids; eos_ids: the model's EOS ids.
+
+    Returns:
+        ``len(tokens) - (index of the first EOS + 1)``, or 0 when no EOS occurs.
+    """
+    eos = set(eos_ids)
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return len(tokens) - i - 1
+    return 0
