@@ -59,6 +59,9 @@ def parse_args(argv=None):
     p.add_argument("--compare", default=None,
                    help="an existing head evaluated on the same validation split (default: the packaged head; "
                         "'none' skips it)")
+    p.add_argument("--init-from", default=None,
+                   help="start from this head file's weights (fuse, input_proj, layer; its draft vocabulary is not "
+                        "used) instead of a random initialisation")
     p.add_argument("--vocab-study", action="store_true", help="only measure coverage vs draft-step cost per size")
     return p.parse_args(argv)
 
@@ -177,6 +180,16 @@ def main(argv=None) -> int:
               f" the head reads {list(layers)}", file=sys.stderr)
         return 2
     head = EagleHead(target.model.config, layers, vocab).attach(target.model)
+    if args.init_from:
+        start = load_eagle_head(args.init_from, target.model, dtype=torch.float32)
+        if tuple(start.feature_layers) != tuple(layers):
+            print(f"train_draft.py: error: --init-from {args.init_from} reads feature layers {start.feature_layers}",
+                  file=sys.stderr)
+            return 2
+        weights = {k: v for k, v in start.state_dict().items() if k != "draft_vocab"}
+        missing = head.load_state_dict(weights, strict=False)
+        assert missing.missing_keys == ["draft_vocab"] and not missing.unexpected_keys, missing
+        logger.info("initialised from %s", args.init_from)
     full_weight = target.model.get_output_embeddings().weight.detach()
     compare_path = Path(args.compare) if args.compare else eagle_default_path()
     compare = None
@@ -196,7 +209,7 @@ def main(argv=None) -> int:
         "data": {"directory": str(args.data), "generation": manifest["config"], "sequences": len(sequences),
                  "generated_tokens": generated, "train_sequences": len(train), "validation_sequences": len(validation),
                  "validation_prompts": sorted({s.job[0] for s in validation})},
-        "draft_vocab": args.draft_vocab, "draft_vocab_coverage_validation": coverage(val_answers, vocab),
+        "draft_vocab": args.draft_vocab, "init_from": args.init_from, "draft_vocab_coverage_validation": coverage(val_answers, vocab),
         "loss": f"forward KL on the draft vocabulary, {config.steps} unrolled steps, weights {config.step_weights}",
         "training": log, "compared_head": compare, "seconds_total": time.time() - t0,
     }

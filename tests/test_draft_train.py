@@ -328,6 +328,16 @@ def test_scripts_generate_train_and_write_a_loadable_head(tiny_model_dir, tmp_pa
                        "--batch", "2", "--eval-every", "2", "--val-fraction", "0.3", "--compare", "none",
                        "--checkpoint", str(tmp_path / "ck.pt"), "--out", str(out), "--log", str(log)]) == 0
     info = json.loads(log.read_text())
+    # warm start from the head just written: validation before training is that head's best (bfloat16-rounded)
+    assert train.main(["--target", str(tiny_model_dir), "--data", str(data), "--draft-vocab", "20", "--epochs", "1",
+                       "--batch", "2", "--eval-every", "2", "--val-fraction", "0.3", "--compare", "none",
+                       "--init-from", str(out), "--checkpoint", str(tmp_path / "ck2.pt"),
+                       "--out", str(tmp_path / "head2.safetensors"), "--log", str(tmp_path / "log2.json")]) == 0
+    warm = json.loads((tmp_path / "log2.json").read_text())
+    assert warm["init_from"] == str(out)
+    assert warm["training"]["validation_before"]["loss"] == pytest.approx(info["training"]["best"]["loss"], rel=0.02)
+    assert warm["training"]["validation_before"]["loss"] != pytest.approx(info["training"]["validation_before"]["loss"],
+                                                                          rel=0.02)
     assert info["draft_vocab"] == 20 and info["data"]["generated_tokens"] >= 150
     assert len(info["training"]["best"]["acceptance"]) == 3
     head = load_eagle_head(out, load_model(str(tiny_model_dir)).model)
