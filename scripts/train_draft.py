@@ -54,7 +54,9 @@ def parse_args(argv=None):
     p.add_argument("--max-sequences", type=int, default=None, help="use only the first N sequences (tests)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--checkpoint", default=str(ROOT / "runs" / "train_draft_checkpoint.pt"))
-    p.add_argument("--out", default=None, help="head file (default: the packaged eagle_smollm2_135m.safetensors)")
+    p.add_argument("--out", default=None,
+                   help="head file (default: the packaged eagle_smollm2_135m.safetensors, replaced only when the new "
+                        "head beats the compared one on validation; otherwise runs/eagle_candidate.safetensors)")
     p.add_argument("--log", default=str(ROOT / "runs" / "train_draft_log.json"))
     p.add_argument("--compare", default=None,
                    help="an existing head evaluated on the same validation split (default: the packaged head; "
@@ -204,6 +206,16 @@ def main(argv=None) -> int:
     log = train_head(head, train, validation, full_weight, config, checkpoint=args.checkpoint)
     head.to(torch.bfloat16)
     out = Path(args.out) if args.out else eagle_default_path()
+    if compare is not None:
+        from specadapt.draft_train.train import step_score
+
+        old_score = step_score(compare["validation"], config.step_weights)
+        new_score = step_score(log["best"], config.step_weights)
+        compare["score"] = old_score
+        if not args.out and new_score <= old_score:
+            out = ROOT / "runs" / "eagle_candidate.safetensors"
+            logger.warning("the new head's validation score %.4f does not beat the packaged head's %.4f: the "
+                           "packaged head is kept, the new one written to %s", new_score, old_score, out)
     info = {
         "target": args.target, "machine": cpu_name(), "threads": torch.get_num_threads(),
         "data": {"directory": str(args.data), "generation": manifest["config"], "sequences": len(sequences),

@@ -339,6 +339,7 @@ def test_scripts_generate_train_and_write_a_loadable_head(tiny_model_dir, tmp_pa
     assert warm["training"]["validation_before"]["loss"] != pytest.approx(info["training"]["validation_before"]["loss"],
                                                                           rel=0.02)
     assert info["draft_vocab"] == 20 and info["data"]["generated_tokens"] >= 150
+    assert info["compared_head"] is None
     assert len(info["training"]["best"]["acceptance"]) == 3
     head = load_eagle_head(out, load_model(str(tiny_model_dir)).model)
     assert head.draft_vocab.numel() == 20 and 2 in head.draft_vocab.tolist()  # EOS always in the vocabulary
@@ -352,3 +353,32 @@ def test_scripts_generate_train_and_write_a_loadable_head(tiny_model_dir, tmp_pa
     assert "no generated data" in capsys.readouterr().err
     assert train.main(["--data", str(data), "--steps", "0"]) == 2
     assert "steps" in capsys.readouterr().err
+
+
+def test_the_packaged_head_is_replaced_only_by_a_better_one(tiny_model_dir, tmp_path, monkeypatch):
+    """Without --out the script writes the packaged file only when the new head beats the compared one on
+    validation; a worse head goes to runs/eagle_candidate.safetensors."""
+    import json
+
+    import specadapt.engine.eagle as eagle_module
+
+    gen, train = _script("gen_draft_data"), _script("train_draft")
+    data = tmp_path / "data"
+    assert gen.main(["--target", str(tiny_model_dir), "--out", str(data), "--min-tokens", "150",
+                     "--max-new-tokens", "24", "--batch-size", "4", "--limit-prompts", "6"]) == 0
+    common = ["--target", str(tiny_model_dir), "--data", str(data), "--draft-vocab", "20", "--epochs", "3",
+              "--batch", "2", "--eval-every", "2", "--val-fraction", "0.3", "--lr", "3e-3"]
+    good = tmp_path / "good.safetensors"
+    assert train.main(common + ["--compare", "none", "--out", str(good), "--checkpoint", str(tmp_path / "a.pt"),
+                                "--log", str(tmp_path / "a.json")]) == 0
+    packaged = tmp_path / "package" / "head.safetensors"
+    monkeypatch.setattr(eagle_module, "eagle_default_path", lambda: packaged)
+    monkeypatch.setattr(train, "ROOT", tmp_path)
+    assert train.main(common + ["--lr", "1e-9", "--compare", str(good), "--checkpoint", str(tmp_path / "b.pt"),
+                                "--log", str(tmp_path / "b.json")]) == 0
+    assert not packaged.exists() and (tmp_path / "runs" / "eagle_candidate.safetensors").is_file()
+    log = json.loads((tmp_path / "b.json").read_text())
+    assert log["compared_head"]["score"] > log["training"]["best"]["score"]
+    assert train.main(common + ["--init-from", str(good), "--lr", "1e-9", "--compare", "none",
+                                "--checkpoint", str(tmp_path / "c.pt"), "--log", str(tmp_path / "c.json")]) == 0
+    assert packaged.is_file()  # nothing compared: the packaged path is written

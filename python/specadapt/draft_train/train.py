@@ -26,7 +26,7 @@ from .unroll import StepStats, full_teacher, unrolled_loss
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TrainConfig", "split_by_prompt", "evaluate_head", "train_head"]
+__all__ = ["TrainConfig", "split_by_prompt", "evaluate_head", "train_head", "step_score"]
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,9 @@ def evaluate_head(head, sequences: list, steps: int, teachers: list, step_weight
             "top1": [s.top1 / max(s.count, 1) for s in stats], "queries": [s.count for s in stats]}
 
 
-def _score(result: dict, weights: list[float]) -> float:
+def step_score(result: dict, weights: list[float]) -> float:
+    """The figure early stopping and model selection maximise: the step-weighted mean of an
+    :func:`evaluate_head` result's per-step acceptance."""
     return sum(w * a for w, a in zip(weights, result["acceptance"])) / sum(weights)
 
 
@@ -196,7 +198,7 @@ def train_head(head, train: list, validation: list, full_head_weight: torch.Tens
     def evaluate() -> bool:
         """Evaluate, keep the best weights; True when training should stop early."""
         result = evaluate_head(head, validation, config.steps, teachers, weights)
-        score = _score(result, weights)
+        score = step_score(result, weights)
         result.update(step=state.step, epoch=state.epoch, seconds=state.seconds, score=score)
         state.history.append(result)
         nonlocal best
