@@ -141,7 +141,8 @@ def main(argv=None) -> int:
     from specadapt.draft_train.train import evaluate_head, split_by_prompt, train_head
     from specadapt.draft_train.unroll import full_teacher
     from specadapt.draft_train.vocab import answer_token_counts, coverage, top_vocabulary
-    from specadapt.engine.eagle import EagleHead, eagle_default_path, load_eagle_head, save_eagle_head
+    from specadapt.engine.eagle import (EagleHead, default_feature_layers, eagle_default_path, load_eagle_head,
+                                       save_eagle_head)
     from specadapt.engine.models import attach_forward, load_model
 
     manifest = read_manifest(args.data)
@@ -174,8 +175,6 @@ def main(argv=None) -> int:
     counts = answer_token_counts(train, target.vocab_size)
     vocab = top_vocabulary(counts, args.draft_vocab, always=eos)
     val_answers = torch.cat([s.tokens[s.prompt_len :] for s in validation])
-    from specadapt.engine.eagle import default_feature_layers
-
     layers = default_feature_layers(int(target.model.config.num_hidden_layers))
     if manifest["identity"]["feature_layers"] != list(layers):
         print(f"train_draft.py: error: --data was generated for feature layers {manifest['identity']['feature_layers']},"
@@ -195,15 +194,15 @@ def main(argv=None) -> int:
     full_weight = target.model.get_output_embeddings().weight.detach()
     compare_path = Path(args.compare) if args.compare else eagle_default_path()
     compare = None
+    teachers = [full_teacher(s.final, full_weight) for s in validation]  # once: the comparison and training
     if args.compare != "none" and compare_path.is_file():
         old = load_eagle_head(compare_path, target.model, dtype=torch.float32)
-        teachers = [full_teacher(s.final, full_weight) for s in validation]
         compare = {"file": str(compare_path), "draft_vocab": int(old.draft_vocab.numel()),
                    "draft_vocab_coverage_validation": coverage(val_answers, old.draft_vocab),
                    "validation": evaluate_head(old, validation, config.steps, teachers, config.step_weights)}
         logger.info("compared head %s: validation %s", compare_path.name, compare["validation"])
-        del old, teachers
-    log = train_head(head, train, validation, full_weight, config, checkpoint=args.checkpoint)
+        del old
+    log = train_head(head, train, validation, full_weight, config, checkpoint=args.checkpoint, teachers=teachers)
     head.to(torch.bfloat16)
     out = Path(args.out) if args.out else eagle_default_path()
     if compare is not None:

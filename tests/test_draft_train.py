@@ -272,6 +272,8 @@ def test_training_raises_validation_acceptance_and_resumes(tiny_data, tmp_path):
                          progress=False)
     assert resumed["steps"] == log["steps"]
     assert resumed["best"]["acceptance"] == pytest.approx(best["acceptance"], rel=1e-6)
+    with pytest.raises(ValueError, match="teachers"):
+        train_head(_fresh_head(target), train, val, full, config, progress=False, teachers=teachers[:-1])
     with pytest.raises(ValueError, match="another configuration"):
         train_head(_fresh_head(target), train, val, full, TrainConfig(steps=2), checkpoint=tmp_path / "ck.pt",
                    progress=False)

@@ -129,7 +129,7 @@ class _State:
 
 
 def train_head(head, train: list, validation: list, full_head_weight: torch.Tensor, config: TrainConfig,
-               checkpoint: str | Path | None = None, progress: bool = True) -> dict:
+               checkpoint: str | Path | None = None, progress: bool = True, teachers: list | None = None) -> dict:
     """Train ``head`` in place (ending with the best validation weights loaded) and return the training log.
 
     Args:
@@ -139,6 +139,8 @@ def train_head(head, train: list, validation: list, full_head_weight: torch.Tens
         config: :class:`TrainConfig`.
         checkpoint: a file to write at every evaluation and to resume from when it exists.
         progress: a tqdm bar over optimizer steps.
+        teachers: :func:`~.unroll.full_teacher` of each validation sequence, when the caller has them already
+            (computed here otherwise).
 
     Returns:
         ``{"config", "steps", "epochs", "seconds", "stopped", "validation_before", "history", "best"}``.
@@ -153,7 +155,10 @@ def train_head(head, train: list, validation: list, full_head_weight: torch.Tens
     weights = config.step_weights
     random.seed(config.seed)
     torch.manual_seed(config.seed)
-    teachers = [full_teacher(s.final, full_head_weight) for s in validation]
+    if teachers is None:
+        teachers = [full_teacher(s.final, full_head_weight) for s in validation]
+    elif len(teachers) != len(validation):
+        raise ValueError(f"teachers has {len(teachers)} entries for {len(validation)} validation sequences")
     opt = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     per_epoch = math.ceil(len(train) / config.batch)
     total = config.epochs * per_epoch

@@ -186,8 +186,8 @@ def unrolled_loss(head, tokens: torch.Tensor, features: torch.Tensor, final: tor
         tokens / features: see :func:`unrolled_forward`; ``final``: ``[T, h]`` the target's final normed hidden
             states (``h_t``).
         steps: unrolled steps ``k``; ``step_weights``: ``k`` loss weights.
-        first_query: the loss counts queries ``i >= first_query`` only (e.g. ``prompt_len - 2``: the positions
-            whose drafts predict answer tokens); earlier queries still give their keys.
+        first_query: the loss counts queries ``i >= first_query`` only (``prompt_len - 1``: the first draft the
+            engine makes follows the first answer token); earlier queries still give their keys.
         teacher: :func:`full_teacher` of ``final``, needed for ``stats`` (the acceptance uses the
             full-vocabulary ``p``).
         stats: when given (``k`` entries), accumulated (no gradient).
