@@ -40,7 +40,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", default="smollm2-135m", help="target model (embedded default or HF directory)")
     p.add_argument("--data", default=str(ROOT / "runs" / "draft_data"), help="directory of gen_draft_data.py")
-    p.add_argument("--draft-vocab", type=int, default=16384, help="draft vocabulary size (most frequent answer tokens)")
+    p.add_argument("--draft-vocab", default="16384",
+                   help="draft vocabulary size (the most frequent answer tokens), or 'init': the --init-from head's own "
+                        "vocabulary (a warm start that keeps it starts exactly where that head is)")
     p.add_argument("--steps", type=int, default=d.steps, help="unrolled drafting steps")
     p.add_argument("--step-decay", type=float, default=d.step_decay, help="loss weight of step s: decay^(s-1)")
     p.add_argument("--epochs", type=int, default=d.epochs)
@@ -62,8 +64,8 @@ def parse_args(argv=None):
                    help="an existing head evaluated on the same validation split (default: the packaged head; "
                         "'none' skips it)")
     p.add_argument("--init-from", default=None,
-                   help="start from this head file's weights (fuse, input_proj, layer; its draft vocabulary is not "
-                        "used) instead of a random initialisation")
+                   help="start from this head file's weights (fuse, input_proj, layer; its draft vocabulary only with "
+                        "--draft-vocab init) instead of a random initialisation")
     p.add_argument("--vocab-study", action="store_true", help="only measure coverage vs draft-step cost per size")
     return p.parse_args(argv)
 
@@ -134,6 +136,14 @@ def main(argv=None) -> int:
     except ValueError as exc:
         print(f"train_draft.py: error: {exc}", file=sys.stderr)
         return 2
+    if args.draft_vocab == "init":
+        if not args.init_from:
+            print("train_draft.py: error: --draft-vocab init needs --init-from", file=sys.stderr)
+            return 2
+    elif not args.draft_vocab.isdigit() or int(args.draft_vocab) < 1:
+        print(f"train_draft.py: error: --draft-vocab must be a positive size or 'init', got {args.draft_vocab!r}",
+              file=sys.stderr)
+        return 2
     import torch
 
     from specadapt.bench.forward import cpu_name
@@ -172,8 +182,11 @@ def main(argv=None) -> int:
         Path(args.log).write_text(json.dumps({"vocab_study": study}, indent=1))
         print(json.dumps(study, indent=1))
         return 0
-    counts = answer_token_counts(train, target.vocab_size)
-    vocab = top_vocabulary(counts, args.draft_vocab, always=eos)
+    start = load_eagle_head(args.init_from, target.model, dtype=torch.float32) if args.init_from else None
+    if args.draft_vocab == "init":
+        vocab = start.draft_vocab.clone()
+    else:
+        vocab = top_vocabulary(answer_token_counts(train, target.vocab_size), int(args.draft_vocab), always=eos)
     val_answers = torch.cat([s.tokens[s.prompt_len :] for s in validation])
     layers = default_feature_layers(int(target.model.config.num_hidden_layers))
     if manifest["identity"]["feature_layers"] != list(layers):
@@ -181,8 +194,7 @@ def main(argv=None) -> int:
               f" the head reads {list(layers)}", file=sys.stderr)
         return 2
     head = EagleHead(target.model.config, layers, vocab).attach(target.model)
-    if args.init_from:
-        start = load_eagle_head(args.init_from, target.model, dtype=torch.float32)
+    if start is not None:
         if tuple(start.feature_layers) != tuple(layers):
             print(f"train_draft.py: error: --init-from {args.init_from} reads feature layers {start.feature_layers}",
                   file=sys.stderr)
@@ -220,7 +232,7 @@ def main(argv=None) -> int:
         "data": {"directory": str(args.data), "generation": manifest["config"], "sequences": len(sequences),
                  "generated_tokens": generated, "train_sequences": len(train), "validation_sequences": len(validation),
                  "validation_prompts": sorted({s.job[0] for s in validation})},
-        "draft_vocab": args.draft_vocab, "init_from": args.init_from, "draft_vocab_coverage_validation": coverage(val_answers, vocab),
+        "draft_vocab": int(vocab.numel()), "init_from": args.init_from, "draft_vocab_coverage_validation": coverage(val_answers, vocab),
         "loss": f"forward KL on the draft vocabulary, {config.steps} unrolled steps, weights {config.step_weights}",
         "training": log, "compared_head": compare, "seconds_total": time.time() - t0,
     }

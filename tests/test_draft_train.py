@@ -318,7 +318,7 @@ def _script(name):
 def test_scripts_generate_train_and_write_a_loadable_head(tiny_model_dir, tmp_path, capsys):
     import json
 
-    from specadapt.engine.eagle import load_eagle_head
+    from specadapt.engine.eagle import load_eagle_head, save_eagle_head
     from specadapt.engine.models import load_model
 
     gen, train = _script("gen_draft_data"), _script("train_draft")
@@ -345,6 +345,22 @@ def test_scripts_generate_train_and_write_a_loadable_head(tiny_model_dir, tmp_pa
     assert len(info["training"]["best"]["acceptance"]) == 3
     head = load_eagle_head(out, load_model(str(tiny_model_dir)).model)
     assert head.draft_vocab.numel() == 20 and 2 in head.draft_vocab.tolist()  # EOS always in the vocabulary
+    # bad input: one-line errors, exit 2
+    # --draft-vocab init keeps the starting head's vocabulary (here: a 12-token one, not the data's top 20)
+    small = load_eagle_head(out, load_model(str(tiny_model_dir)).model, dtype=torch.float32)
+    small.draft_vocab = small.draft_vocab[:12].clone()
+    save_eagle_head(small, tmp_path / "small.safetensors")
+    assert train.main(["--target", str(tiny_model_dir), "--data", str(data), "--draft-vocab", "init", "--epochs", "1",
+                       "--batch", "2", "--eval-every", "2", "--val-fraction", "0.3", "--compare", "none",
+                       "--init-from", str(tmp_path / "small.safetensors"), "--checkpoint", str(tmp_path / "ck3.pt"),
+                       "--out", str(tmp_path / "head3.safetensors"), "--log", str(tmp_path / "log3.json")]) == 0
+    kept = load_eagle_head(tmp_path / "head3.safetensors", load_model(str(tiny_model_dir)).model)
+    assert kept.draft_vocab.tolist() == small.draft_vocab.tolist()
+    assert json.loads((tmp_path / "log3.json").read_text())["draft_vocab"] == 12
+    assert train.main(["--data", str(data), "--draft-vocab", "init"]) == 2
+    assert "--init-from" in capsys.readouterr().err
+    assert train.main(["--data", str(data), "--draft-vocab", "lots"]) == 2
+    assert "--draft-vocab" in capsys.readouterr().err
     # bad input: one-line errors, exit 2
     assert gen.main(["--target", str(tiny_model_dir), "--out", str(data), "--top-p", "0"]) == 2
     assert "top_p" in capsys.readouterr().err
