@@ -220,8 +220,8 @@ def main(argv=None) -> int:
     if compare is not None:
         from specadapt.draft_train.train import step_score
 
-        old_score = step_score(compare["validation"], config.step_weights)
-        new_score = step_score(log["best"], config.step_weights)
+        old_score = step_score(compare["validation"])
+        new_score = step_score(log["best"])
         compare["score"] = old_score
         if not args.out and new_score <= old_score:
             out = ROOT / "runs" / "eagle_candidate.safetensors"

@@ -17,7 +17,8 @@ from specadapt.engine.native import model as native_model
 HAS_KERNELS = kernels.has_op_for("native_llama_forward", torch.device("cpu"))
 
 
-def tiny(family: str = "llama", vocab: int = 96, layers: int = 2, seed: int = 0, tied: bool = True):
+def tiny(family: str = "llama", vocab: int = 96, layers: int = 2, seed: int = 0, tied: bool = True,
+         positions: int = 256):
     """A small random model with head_dim 16 (the kernels' vector paths) and GQA (4 heads over 2)."""
     import transformers
 
@@ -28,7 +29,7 @@ def tiny(family: str = "llama", vocab: int = 96, layers: int = 2, seed: int = 0,
     }[family]
     extra = {"head_dim": 16} if family == "qwen3" else {}
     config = config_cls(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
                         tie_word_embeddings=tied, rope_theta=10000.0, **extra)
     torch.manual_seed(seed)
     model = model_cls(config).eval()
@@ -188,6 +189,57 @@ def test_a_requests_logits_do_not_depend_on_its_batch(fmt):
         ids, counts = _pad([[1]] * position + [chunk] + [[2, 3, 4, 5, 6]] * (3 - position))
         got = batch.forward(ids, counts)[position, :3]
         assert torch.equal(got, want)
+
+
+def _isas() -> list[str]:
+    if not HAS_KERNELS:
+        return []
+    ops = torch.ops.specadapt
+    best = ops.native_set_isa("")
+    order = ["scalar", "avx2", "avx512"]
+    return order[: order.index(best) + 1]
+
+
+@pytest.mark.skipif(not HAS_KERNELS, reason="specadapt._C built without the native kernels")
+@pytest.mark.parametrize("kv", ["float32", "float16"])
+def test_attention_on_every_instruction_set_equals_the_reference(kv, monkeypatch):
+    """Each attention path this CPU has (portable C++, AVX2, AVX-512) against the PyTorch reference, over more
+    than one key split (256 keys) and partial key tiles, ragged chunks and a token tree; and a request's logits
+    stay bit-identical alone or beside other requests on every path."""
+    ops = torch.ops.specadapt
+    model = tiny("llama", positions=512)
+    native = NativeLlama.from_hf(model, "float32", kv_dtype=kv)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (300, 37)]
+    chunk = [torch.randint(0, 96, (k,), generator=g).tolist() for k in (5, 2)]
+    paths = torch.randint(0, 96, (2, 3, 3), generator=g)
+    tree = build_token_tree(paths)
+    kw = dict(chunk_mask=tree.ancestor_mask, chunk_positions=tree.depth)
+
+    def run():
+        cache = SlotKVCache(native, 2, 320)
+        outs = [cache.forward(*_pad(prompts)), cache.forward(*_pad(chunk)),
+                cache.forward(tree.node_tokens, tree.num_nodes, **kw)]
+        alone = SlotKVCache(native, 1, 320)
+        alone.forward(*_pad(prompts[1:]))
+        outs.append(alone.forward(*_pad(chunk[1:]))[0])
+        return outs
+
+    best = ops.native_set_isa("")
+    try:
+        results = {}
+        for isa in _isas():
+            ops.native_set_isa(isa)
+            results[isa] = run()
+    finally:
+        ops.native_set_isa(best)
+    monkeypatch.setattr(native_model, "_use_kernels", lambda device: False)
+    want = run()
+    counts = [torch.tensor([300, 37]), torch.tensor([5, 2]), tree.num_nodes]
+    for isa, got in results.items():
+        for g_, w, c in zip(got[:3], want[:3], counts):
+            _close(g_, w, c)
+        assert torch.equal(got[3][:2], got[1][1, :2]), isa  # the second request alone: same bits
 
 
 def test_unsupported_architectures_are_refused_by_name():

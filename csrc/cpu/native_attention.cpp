@@ -7,8 +7,8 @@
 //   2. max, vectorised exp (Cody-Waite range reduction and Cephes' degree-6 polynomial, relative error ~1e-7), sum;
 //   3. the probability-weighted sum of value rows, in key order.
 // The splits of a query are then merged (m, l, o) in split order. Split boundaries are absolute key indices and
-// every step is per query, so a query's result does not depend on the other tokens of the call. AVX-512
-// intrinsics, or portable C++ (auto-vectorised for AVX2 by target clones) otherwise.
+// every step is per query, so a query's result does not depend on the other tokens of the call. AVX-512 or AVX2
+// intrinsics (by the active instruction set), or portable C++ otherwise.
 #include "native_attention.h"
 
 #include <ATen/Parallel.h>
@@ -27,7 +27,7 @@
 #include <immintrin.h>
 #define SA_ATT_X86 1
 #define SA_ATT512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
-#define SA_ATT2 __attribute__((target("avx2,fma")))
+#define SA_ATT2 __attribute__((target("avx2,fma,f16c")))
 #if !defined(__clang__)
 #define SA_ATT_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
@@ -363,6 +363,222 @@ SA_ATT2 void exp_inplace_avx2(float* x, int64_t n) {
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp256(_mm256_loadu_ps(x + i)));
   for (; i < n; ++i) x[i] = std::exp(x[i]);
 }
+// ------------------------------------------------------------------------------------------------------ AVX2
+// The same three steps as unit_avx512 with 8-lane vectors: a key tile (16 keys) is two halves, the visibility
+// mask two 8-lane blend masks. Per query the arithmetic is fixed (accumulators per query, keys and dims in a
+// fixed order), so a query's result still does not depend on the other queries of its unit.
+inline uint32_t visible_bits(const Query& qr, int64_t j0) {  // bit i: key j0 + i visible (16 bits)
+  uint32_t dense = 0;
+  const int64_t left = qr.visible - j0;
+  if (left >= 16) {
+    dense = 0xFFFFu;
+  } else if (left > 0) {
+    dense = (1u << left) - 1;
+  }
+  uint32_t tree = 0;
+  if (qr.tree_bits) {
+    const int64_t off = j0 - qr.tree_base;
+    if (off >= 0 && off < 64) {
+      tree = static_cast<uint32_t>((qr.tree_bits >> off) & 0xFFFFu);
+    } else if (off < 0 && off > -16) {
+      tree = static_cast<uint32_t>((qr.tree_bits << (-off)) & 0xFFFFu);
+    }
+  }
+  return dense | tree;
+}
+
+SA_ATT2 inline __m256 lane_mask8(uint32_t bits) {  // lane i all-ones where bit i of `bits` is set
+  const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), sel), sel));
+}
+
+SA_ATT2 inline float hmax8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_max_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+SA_ATT2 inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+SA_ATT2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+SA_ATT2 inline __m256 load8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// float16 entries -> float32 (n a multiple of 8).
+SA_ATT2 void widen_block_avx2(const uint16_t* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+}
+
+// scores of one 16-key tile (D rows of 16) for G queries.
+template <int G>
+SA_ATT2 void score_tile_avx2(const float* tile, const float* const* qv, int64_t D, float* const* out) {
+  __m256 lo[G], hi[G];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) lo[g] = hi[g] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m256 k0 = _mm256_loadu_ps(tile + d * kKeyTile), k1 = _mm256_loadu_ps(tile + d * kKeyTile + 8);
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      const __m256 qd = _mm256_set1_ps(qv[g][d]);
+      lo[g] = _mm256_fmadd_ps(qd, k0, lo[g]);
+      hi[g] = _mm256_fmadd_ps(qd, k1, hi[g]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) {
+    _mm256_storeu_ps(out[g], lo[g]);
+    _mm256_storeu_ps(out[g] + 8, hi[g]);
+  }
+}
+
+// o[g][d0 .. d0 + 8P) += sum over `count` rows of p[g][i] * row i, G queries.
+template <int G, int P>
+SA_ATT2 void accumulate_part_avx2(const float* rows, int64_t count, int64_t D, const float* const* p,
+                                  float* const* o, int64_t d0) {
+  __m256 acc[G][P];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+    for (int part = 0; part < P; ++part) acc[g][part] = _mm256_loadu_ps(o[g] + d0 + 8 * part);
+  for (int64_t i = 0; i < count; ++i) {
+    const float* row = rows + i * D + d0;
+    __m256 v[P];
+#pragma GCC unroll 4
+    for (int part = 0; part < P; ++part) v[part] = _mm256_loadu_ps(row + 8 * part);
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      const __m256 pv = _mm256_set1_ps(p[g][i]);
+#pragma GCC unroll 4
+      for (int part = 0; part < P; ++part) acc[g][part] = _mm256_fmadd_ps(pv, v[part], acc[g][part]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+    for (int part = 0; part < P; ++part) _mm256_storeu_ps(o[g] + d0 + 8 * part, acc[g][part]);
+}
+
+template <int G>
+SA_ATT2 void accumulate_block_avx2(const float* rows, int64_t count, int64_t D, const float* const* p,
+                                   float* const* o) {
+  for (int64_t d0 = 0; d0 < D; d0 += 32) {
+    switch (std::min<int64_t>(32, D - d0) / 8) {
+      case 1: accumulate_part_avx2<G, 1>(rows, count, D, p, o, d0); break;
+      case 2: accumulate_part_avx2<G, 2>(rows, count, D, p, o, d0); break;
+      case 3: accumulate_part_avx2<G, 3>(rows, count, D, p, o, d0); break;
+      default: accumulate_part_avx2<G, 4>(rows, count, D, p, o, d0);
+    }
+  }
+}
+
+// Needs D % 8 == 0.
+template <typename T>
+SA_ATT2 void unit_avx2(const Unit& u, const float* q, int64_t ldq, const T* k_layer, const T* v_layer, int64_t Hkv,
+                       int64_t C, int64_t D, float scale, float* partial, std::vector<float>& scores,
+                       std::vector<float>& wide) {
+  constexpr bool kHalf = std::is_same<T, uint16_t>::value;
+  const int64_t Q = static_cast<int64_t>(u.queries.size());
+  const int64_t t0 = u.k0 / kKeyTile, t1 = (u.k1 + kKeyTile - 1) / kKeyTile;
+  const int64_t width = (t1 - t0) * kKeyTile;
+  scores.resize(Q * width);
+  if (kHalf) wide.resize(D * kKeyTile);
+  // 1. scores, 4 queries at a time per tile
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* tile;
+    if constexpr (kHalf) {
+      widen_block_avx2(key_tile(k_layer, u.slot, u.kvh, Hkv, C, D, t), D * kKeyTile, wide.data());
+      tile = wide.data();
+    } else {
+      tile = key_tile(k_layer, u.slot, u.kvh, Hkv, C, D, t);
+    }
+    for (int64_t q0 = 0; q0 < Q; q0 += 4) {
+      const int count = static_cast<int>(std::min<int64_t>(4, Q - q0));
+      const float* qs[4];
+      float* outs[4];
+      for (int g = 0; g < count; ++g) {
+        qs[g] = q + u.queries[q0 + g].t * ldq + u.queries[q0 + g].h * D;
+        outs[g] = scores.data() + (q0 + g) * width + (t - t0) * kKeyTile;
+      }
+      switch (count) {
+        case 1: score_tile_avx2<1>(tile, qs, D, outs); break;
+        case 2: score_tile_avx2<2>(tile, qs, D, outs); break;
+        case 3: score_tile_avx2<3>(tile, qs, D, outs); break;
+        default: score_tile_avx2<4>(tile, qs, D, outs);
+      }
+    }
+  }
+  // 2. mask, max, exp, sum per query
+  const __m256 vscale = _mm256_set1_ps(scale), neg = _mm256_set1_ps(kNegInf);
+  for (int64_t qi = 0; qi < Q; ++qi) {
+    const Query& qr = u.queries[qi];
+    float* s = scores.data() + qi * width;
+    __m256 best = neg;
+    for (int64_t t = t0; t < t1; ++t) {
+      uint32_t m = visible_bits(qr, t * kKeyTile);
+      const int64_t lo = u.k0 - t * kKeyTile, hi = u.k1 - t * kKeyTile;  // keys of this unit within the tile
+      if (lo > 0) m &= 0xFFFFu << lo;
+      if (hi < 16) m &= (1u << hi) - 1;
+      float* st = s + (t - t0) * kKeyTile;
+      const __m256 a = _mm256_blendv_ps(neg, _mm256_mul_ps(_mm256_loadu_ps(st), vscale), lane_mask8(m & 0xFFu));
+      const __m256 b = _mm256_blendv_ps(neg, _mm256_mul_ps(_mm256_loadu_ps(st + 8), vscale), lane_mask8(m >> 8));
+      _mm256_storeu_ps(st, a);
+      _mm256_storeu_ps(st + 8, b);
+      best = _mm256_max_ps(best, _mm256_max_ps(a, b));
+    }
+    const float top = hmax8(best);
+    float* out = partial + qi * (D + 2);
+    out[0] = top;
+    if (top == kNegInf) {
+      out[1] = 0.f;
+      continue;
+    }
+    const __m256 vtop = _mm256_set1_ps(top);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t i = 0; i < width; i += 8) {
+      const __m256 x = _mm256_loadu_ps(s + i);
+      const __m256 live = _mm256_cmp_ps(x, neg, _CMP_NEQ_OQ);
+      const __m256 e = _mm256_and_ps(live, exp256(_mm256_sub_ps(x, vtop)));
+      _mm256_storeu_ps(s + i, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    out[1] = hsum8(sum);
+  }
+  // 3. values, in key order, 2 queries at a time per block of at most 16 rows
+  for (int64_t qi = 0; qi < Q; ++qi) std::fill(partial + qi * (D + 2) + 2, partial + qi * (D + 2) + 2 + D, 0.f);
+  const T* V = v_layer + (u.slot * Hkv + u.kvh) * C * D;
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t first = std::max(u.k0, t * kKeyTile), last = std::min(u.k1, (t + 1) * kKeyTile);
+    const float* rows;
+    if constexpr (kHalf) {
+      widen_block_avx2(V + first * D, (last - first) * D, wide.data());
+      rows = wide.data();
+    } else {
+      rows = V + first * D;
+    }
+    for (int64_t q0 = 0; q0 < Q; q0 += 2) {
+      const int count = static_cast<int>(std::min<int64_t>(2, Q - q0));
+      const float* ps[2];
+      float* os[2];
+      int live = 0;
+      for (int g = 0; g < count; ++g) {
+        if (partial[(q0 + g) * (D + 2)] == kNegInf) continue;  // sees nothing here
+        ps[live] = scores.data() + (q0 + g) * width + (first - t0 * kKeyTile);
+        os[live] = partial + (q0 + g) * (D + 2) + 2;
+        ++live;
+      }
+      if (live == 1) accumulate_block_avx2<1>(rows, last - first, D, ps, os);
+      if (live == 2) accumulate_block_avx2<2>(rows, last - first, D, ps, os);
+    }
+  }
+}
+
 #endif  // SA_ATT_X86
 
 }  // namespace
@@ -402,6 +618,7 @@ void attention(const float* q, int64_t ldq, const void* k_layer, const void* v_l
   const int64_t group = H / Hkv;
   const int isa = active_isa_value();
   const bool wide = SA_ATT_X86 && isa == 2 && D % 16 == 0;
+  const bool wide2 = SA_ATT_X86 && isa == 1 && D % 8 == 0;
   // units: (slot, kv head, split) with the queries of the slot's tokens that see keys in the split
   std::vector<int64_t> slots;
   for (int64_t t = 0; t < N; ++t)
@@ -435,7 +652,7 @@ void attention(const float* q, int64_t ldq, const void* k_layer, const void* v_l
   for (size_t i = 0; i < units.size(); ++i) offset[i + 1] = offset[i] + static_cast<int64_t>(units[i].queries.size());
   std::vector<float> partial(offset.back() * (D + 2));
   at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    std::vector<float> scores, widened;
     for (int64_t i = begin; i < end; ++i) {
       float* part = partial.data() + offset[i] * (D + 2);
       const Unit& u = units[i];
@@ -449,6 +666,14 @@ void attention(const float* q, int64_t ldq, const void* k_layer, const void* v_l
           unit_avx512(u, q, ldq, kh, vh, Hkv, C, D, scale, part, scores);
         } else {
           unit_avx512(u, q, ldq, kf, vf, Hkv, C, D, scale, part, scores);
+        }
+        continue;
+      }
+      if (wide2) {
+        if (half_cache) {
+          unit_avx2(u, q, ldq, kh, vh, Hkv, C, D, scale, part, scores, widened);
+        } else {
+          unit_avx2(u, q, ldq, kf, vf, Hkv, C, D, scale, part, scores, widened);
         }
         continue;
       }
@@ -488,6 +713,7 @@ void attention(const float* q, int64_t ldq, const void* k_layer, const void* v_l
     for (int64_t d = 0; d < D; ++d) out[key * D + d] *= inv;
   }
   (void)wide;
+  (void)wide2;
 }
 
 }  // namespace native

@@ -5,7 +5,8 @@ One optimizer step averages :func:`~.unroll.unrolled_loss` over ``batch`` sequen
 linearly and decays on a cosine to ``min_lr_ratio`` of its peak over the planned steps. Every ``eval_every``
 steps the head is evaluated on the validation sequences (teacher-forced acceptance and top-1 agreement per
 unrolled step, :class:`~.unroll.StepStats`); the best evaluation's weights are kept, and training stops after
-``patience`` evaluations without improvement of the step-weighted acceptance, at ``max_minutes``, or after
+``patience`` evaluations without improvement of :func:`step_score` (the expected accepted drafts of a chain),
+at ``max_minutes``, or after
 ``epochs``. A checkpoint (weights, optimizer, schedule, position, best weights, history) is written at every
 evaluation; :func:`train_head` resumes from it.
 """
@@ -111,10 +112,24 @@ def evaluate_head(head, sequences: list, steps: int, teachers: list, step_weight
             "top1": [s.top1 / max(s.count, 1) for s in stats], "queries": [s.count for s in stats]}
 
 
-def step_score(result: dict, weights: list[float]) -> float:
-    """The figure early stopping and model selection maximise: the step-weighted mean of an
-    :func:`evaluate_head` result's per-step acceptance."""
-    return sum(w * a for w, a in zip(weights, result["acceptance"])) / sum(weights)
+def step_score(result: dict) -> float:
+    """The figure early stopping and model selection maximise: the expected number of accepted drafts of a
+    ``k``-token chain, ``sum_{s=1..k} prod_{m<=s} a_m``, from an :func:`evaluate_head` result's per-step
+    teacher-forced acceptances ``a_1 .. a_k`` taken as independent (Leviathan et al. 2023, eq. 1 with a
+    per-position rate). It weighs step 1 the most, as drafting does: a later draft counts only if every
+    earlier one was accepted.
+
+    Raises:
+        ValueError: no acceptance in ``result``.
+    """
+    acceptance = list(result.get("acceptance") or [])
+    if not acceptance:
+        raise ValueError("result holds no per-step acceptance")
+    score, survive = 0.0, 1.0
+    for a in acceptance:
+        survive *= float(a)
+        score += survive
+    return score
 
 
 @dataclass
@@ -203,7 +218,7 @@ def train_head(head, train: list, validation: list, full_head_weight: torch.Tens
     def evaluate() -> bool:
         """Evaluate, keep the best weights; True when training should stop early."""
         result = evaluate_head(head, validation, config.steps, teachers, weights)
-        score = step_score(result, weights)
+        score = step_score(result)
         result.update(step=state.step, epoch=state.epoch, seconds=state.seconds, score=score)
         state.history.append(result)
         nonlocal best

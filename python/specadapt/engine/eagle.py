@@ -180,7 +180,8 @@ class EagleHead(nn.Module):
         if attention_mask is None:  # every cached key, causal inside the chunk
             past = cache.get_seq_length() if cache is not None else 0
             allowed = torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(diagonal=past)
-            attention_mask = torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
+            attention_mask = torch.zeros(allowed.shape, dtype=dtype, device=x.device).masked_fill(
+                ~allowed, torch.finfo(dtype).min)[None, None]
             attention_mask = attention_mask.expand(batch, 1, n, past + n)
         position_embeddings = self.rotary(x, position_ids)
         out = self.layer(
