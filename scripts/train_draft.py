@@ -45,6 +45,9 @@ def parse_args(argv=None):
                         "vocabulary (a warm start that keeps it starts exactly where that head is)")
     p.add_argument("--steps", type=int, default=d.steps, help="unrolled drafting steps")
     p.add_argument("--step-decay", type=float, default=d.step_decay, help="loss weight of step s: decay^(s-1)")
+    p.add_argument("--divergence", choices=["fkl", "tvd"], default=d.divergence,
+                   help="training loss per unrolled step: forward KL (EAGLE-3) or total variation, i.e. 1 - the "
+                        "acceptance rate (DistillSpec)")
     p.add_argument("--epochs", type=int, default=d.epochs)
     p.add_argument("--batch", type=int, default=d.batch, help="sequences per optimizer step")
     p.add_argument("--lr", type=float, default=d.lr)
@@ -132,7 +135,8 @@ def main(argv=None) -> int:
     try:
         config = TrainConfig(steps=args.steps, step_decay=args.step_decay, epochs=args.epochs, batch=args.batch,
                              lr=args.lr, warmup=args.warmup, eval_every=args.eval_every, patience=args.patience,
-                             max_minutes=args.max_minutes, seed=args.seed)
+                             max_minutes=args.max_minutes, seed=args.seed,
+                             divergence=args.divergence)
     except ValueError as exc:
         print(f"train_draft.py: error: {exc}", file=sys.stderr)
         return 2
@@ -233,7 +237,8 @@ def main(argv=None) -> int:
                  "generated_tokens": generated, "train_sequences": len(train), "validation_sequences": len(validation),
                  "validation_prompts": sorted({s.job[0] for s in validation})},
         "draft_vocab": int(vocab.numel()), "init_from": args.init_from, "draft_vocab_coverage_validation": coverage(val_answers, vocab),
-        "loss": f"forward KL on the draft vocabulary, {config.steps} unrolled steps, weights {config.step_weights}",
+        "loss": f"{'forward KL' if config.divergence == 'fkl' else 'total variation'} on the draft vocabulary, "
+                f"{config.steps} unrolled steps, weights {config.step_weights}",
         "training": log, "compared_head": compare, "seconds_total": time.time() - t0,
     }
     out.parent.mkdir(parents=True, exist_ok=True)

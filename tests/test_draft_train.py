@@ -108,6 +108,21 @@ def test_unrolled_loss_teacher_and_acceptance():
         unrolled_loss(head, tokens, features, final, 2, [1.0])
     with pytest.raises(ValueError, match="teacher"):
         unrolled_loss(head, tokens, features, final, 2, [1.0, 0.5], stats=stats)
+    # total variation: 1 - sum_x min(p, q) with p renormalised on the draft vocabulary
+    head.zero_grad()
+    tvd = unrolled_loss(head, tokens, features, final, 2, [1.0, 0.5], first_query=3, divergence="tvd")
+    out = unrolled_forward(head, tokens, features, 2)
+    expect = 0.0
+    for s, wt in ((1, 1.0), (2, 0.5)):
+        n = out.hidden[s - 1].shape[0]
+        p = torch.softmax(final[3 + s : n + s] @ w.T, -1)
+        q = torch.softmax(norm(out.hidden[s - 1][3:]) @ w.T, -1)
+        expect = expect + wt * (1 - torch.minimum(p, q).sum(-1).mean())
+    torch.testing.assert_close(tvd, expect / 1.5)
+    tvd.backward()
+    assert head.layer.mlp.down_proj.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="divergence"):
+        unrolled_loss(head, tokens, features, final, 2, [1.0, 0.5], divergence="rkl")
 
 
 def test_split_keeps_evaluation_prompts_out_of_training():
@@ -249,6 +264,18 @@ def _fresh_head(target, seed=0):
     torch.manual_seed(seed)
     layers = default_feature_layers(target.model.config.num_hidden_layers)
     return EagleHead(target.model.config, layers, None).attach(target.model)
+
+
+def test_training_with_total_variation_raises_validation_acceptance(tiny_data):
+    target, seqs = tiny_data
+    train, val = split_by_prompt(seqs, 0.25, seed=0)
+    full = target.model.get_output_embeddings().weight
+    config = TrainConfig(steps=3, epochs=6, batch=2, lr=3e-3, warmup=2, eval_every=5, patience=100, seed=0,
+                         divergence="tvd")
+    log = train_head(_fresh_head(target), train, val, full, config, progress=False)
+    assert log["best"]["acceptance"][0] > log["validation_before"]["acceptance"][0] + 0.05
+    with pytest.raises(ValueError, match="divergence"):
+        TrainConfig(divergence="js")
 
 
 def test_training_raises_validation_acceptance_and_resumes(tiny_data, tmp_path):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .unroll import StepStats, full_teacher, unrolled_loss
+from .unroll import DIVERGENCES, StepStats, full_teacher, unrolled_loss
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class TrainConfig:
     patience: int = 3
     max_minutes: float = 110.0
     seed: int = 0
+    divergence: str = "fkl"  # training loss per step: "fkl" forward KL, "tvd" total variation (unroll.DIVERGENCES)
 
     def __post_init__(self) -> None:
         for name in ("steps", "epochs", "batch", "eval_every", "patience"):
@@ -57,6 +58,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.step_decay <= 1:
             raise ValueError(f"step_decay must lie in (0, 1], got {self.step_decay}")
+        if self.divergence not in DIVERGENCES:
+            raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.warmup < 0 or not 0 <= self.min_lr_ratio <= 1 or self.max_minutes <= 0:
@@ -244,7 +247,7 @@ def train_head(head, train: list, validation: list, full_head_weight: torch.Tens
             batch = [train[i] for i in order[state.offset : state.offset + config.batch]]
             state.offset += len(batch)
             losses = [unrolled_loss(head, s.tokens, s.features, s.final, config.steps, weights,
-                                    first_query=s.prompt_len - 1)
+                                    first_query=s.prompt_len - 1, divergence=config.divergence)
                       for s in batch if s.tokens.numel() >= config.steps + 2]
             losses = [x for x in losses if x is not None]
             if not losses:

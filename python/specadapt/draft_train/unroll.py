@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["UnrolledOutput", "unrolled_forward", "unrolled_loss", "StepStats", "full_teacher"]
+__all__ = ["UnrolledOutput", "unrolled_forward", "unrolled_loss", "StepStats", "full_teacher", "DIVERGENCES"]
 
 
 @dataclass
@@ -175,11 +175,18 @@ def full_teacher(final: torch.Tensor, full_head_weight: torch.Tensor, chunk: int
     return torch.cat(logz), torch.cat(argmax)
 
 
+DIVERGENCES = ("fkl", "tvd")
+
+
 def unrolled_loss(head, tokens: torch.Tensor, features: torch.Tensor, final: torch.Tensor, steps: int,
                   step_weights: list[float], first_query: int = 0,
                   teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  stats: list[StepStats] | None = None) -> torch.Tensor | None:
-    """Forward KL of the unrolled head to the target over the draft vocabulary, for one sequence.
+                  stats: list[StepStats] | None = None, divergence: str = "fkl") -> torch.Tensor | None:
+    """Divergence of the unrolled head from the target over the draft vocabulary, for one sequence.
+
+    ``divergence``: ``"fkl"`` the forward KL(p || q) (EAGLE-3), or ``"tvd"`` the total-variation distance
+    ``1 - sum_x min(p(x), q(x))`` (DistillSpec, Zhou et al. 2024: the divergence whose minimum is the acceptance
+    rate of speculative sampling itself), with ``p`` the teacher renormalised on the draft vocabulary.
 
     Args:
         head: an attached :class:`~specadapt.engine.eagle.EagleHead`.
@@ -196,8 +203,10 @@ def unrolled_loss(head, tokens: torch.Tensor, features: torch.Tensor, final: tor
         The weighted mean of the steps' mean KL (a scalar tensor), or ``None`` when no query is counted.
 
     Raises:
-        ValueError: ``len(step_weights) != steps``, or ``stats`` without ``teacher``.
+        ValueError: ``len(step_weights) != steps``, ``stats`` without ``teacher``, or an unknown ``divergence``.
     """
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
     if len(step_weights) != steps:
         raise ValueError(f"step_weights needs {steps} entries, got {len(step_weights)}")
     if stats is not None and teacher is None:
@@ -223,9 +232,11 @@ def unrolled_loss(head, tokens: torch.Tensor, features: torch.Tensor, final: tor
         rows = slice(lo + s - base, n + s - base)  # h_{i+s} for queries i = lo .. n-1
         p, t_logits = p_all[rows], t_logits_all[rows]
         logits = F.linear(norm(g), head_weight)
-        # forward KL(p || q) = cross-entropy(p, q) - H(p): one fused soft-label cross-entropy
-        kl = F.cross_entropy(logits, p) + neg_entropy_all[rows].mean()
-        term = step_weights[s - 1] * kl
+        if divergence == "fkl":  # KL(p || q) = cross-entropy(p, q) - H(p): one fused soft-label cross-entropy
+            div = F.cross_entropy(logits, p) + neg_entropy_all[rows].mean()
+        else:  # TV(p, q) = 1 - sum_x min(p, q); its gradient flows through q where q < p
+            div = 1.0 - torch.minimum(p, torch.softmax(logits, dim=-1)).sum(-1).mean()
+        term = step_weights[s - 1] * div
         total = term if total is None else total + term
         counted = True
         if stats is not None:
