@@ -95,7 +95,7 @@ class BuildPyWithCudaHeaders(build_py):
 setup(
     packages=find_packages("python"),
     package_dir={"": "python"},
-    package_data={"specadapt": ["data/*.jsonl", "data/*.md", "data/*.safetensors"]},
+    package_data={"specadapt": ["data/*.jsonl", "data/*.md", "data/*.safetensors", "data/*.json"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension, "build_py": BuildPyWithCudaHeaders},
     options={"bdist_wheel": {"py_limited_api": "cp311"}},
