@@ -126,6 +126,27 @@ SA_ATT_CLONES void unit_generic(const Unit& u, const float* q, int64_t ldq, cons
   }
 }
 
+// Bit i set: key j0 + i is visible to the query (16 keys; the masks of both vector paths).
+inline uint32_t visible_bits(const Query& qr, int64_t j0) {
+  uint32_t dense = 0;
+  const int64_t left = qr.visible - j0;
+  if (left >= 16) {
+    dense = 0xFFFFu;
+  } else if (left > 0) {
+    dense = (1u << left) - 1;
+  }
+  uint32_t tree = 0;
+  if (qr.tree_bits) {
+    const int64_t off = j0 - qr.tree_base;
+    if (off >= 0 && off < 64) {
+      tree = static_cast<uint32_t>((qr.tree_bits >> off) & 0xFFFFu);
+    } else if (off < 0 && off > -16) {
+      tree = static_cast<uint32_t>((qr.tree_bits << (-off)) & 0xFFFFu);
+    }
+  }
+  return dense | tree;
+}
+
 #if SA_ATT_X86
 SA_ATT512 inline __m512 exp512(__m512 x) {
   // below -87.34 the result underflows: 0 (so exp(-inf) = 0); above 88.38 it is clamped
@@ -142,23 +163,7 @@ SA_ATT512 inline __m512 exp512(__m512 x) {
 
 // 16-bit visibility mask of keys [j0, j0 + 16) for one query.
 SA_ATT512 inline __mmask16 visible_mask(const Query& qr, int64_t j0) {
-  uint32_t dense = 0;
-  const int64_t left = qr.visible - j0;
-  if (left >= 16) {
-    dense = 0xFFFF;
-  } else if (left > 0) {
-    dense = (1u << left) - 1;
-  }
-  uint32_t tree = 0;
-  if (qr.tree_bits) {
-    const int64_t off = j0 - qr.tree_base;  // bit (off + i) of tree_bits is key j0 + i
-    if (off >= 0 && off < 64) {
-      tree = static_cast<uint32_t>((qr.tree_bits >> off) & 0xFFFF);
-    } else if (off < 0 && off > -16) {
-      tree = static_cast<uint32_t>((qr.tree_bits << (-off)) & 0xFFFF);
-    }
-  }
-  return static_cast<__mmask16>(dense | tree);
+  return static_cast<__mmask16>(visible_bits(qr, j0));
 }
 
 SA_ATT512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -367,26 +372,6 @@ SA_ATT2 void exp_inplace_avx2(float* x, int64_t n) {
 // The same three steps as unit_avx512 with 8-lane vectors: a key tile (16 keys) is two halves, the visibility
 // mask two 8-lane blend masks. Per query the arithmetic is fixed (accumulators per query, keys and dims in a
 // fixed order), so a query's result still does not depend on the other queries of its unit.
-inline uint32_t visible_bits(const Query& qr, int64_t j0) {  // bit i: key j0 + i visible (16 bits)
-  uint32_t dense = 0;
-  const int64_t left = qr.visible - j0;
-  if (left >= 16) {
-    dense = 0xFFFFu;
-  } else if (left > 0) {
-    dense = (1u << left) - 1;
-  }
-  uint32_t tree = 0;
-  if (qr.tree_bits) {
-    const int64_t off = j0 - qr.tree_base;
-    if (off >= 0 && off < 64) {
-      tree = static_cast<uint32_t>((qr.tree_bits >> off) & 0xFFFFu);
-    } else if (off < 0 && off > -16) {
-      tree = static_cast<uint32_t>((qr.tree_bits << (-off)) & 0xFFFFu);
-    }
-  }
-  return dense | tree;
-}
-
 SA_ATT2 inline __m256 lane_mask8(uint32_t bits) {  // lane i all-ones where bit i of `bits` is set
   const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), sel), sel));
