@@ -101,6 +101,22 @@ def test_linear_kernels_match_the_reference_on_every_isa(fmt, shape, each_isa):
         torch.testing.assert_close(got, outs["scalar"], atol=1e-5 * float(want.abs().max()), rtol=1e-5)
 
 
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_q4_1_integer_sums_at_their_extreme_do_not_saturate(sign, each_isa):
+    """Codes of 15 against activation codes of +-127 everywhere: the largest block sums the AVX2 path adds in
+    int16 (8 x 2 x 15 x 127 = 30480) must come out exact, on every instruction set."""
+    w = torch.ones(32, 64)
+    w[:, ::32] = 0.0  # each block's minimum 0 (code 0) and maximum 1 (code 15) -> 31 codes of 15 per block
+    packed = pack_weight(w, WeightFormat.Q4_1)
+    x = torch.full((5, 64), sign)
+    want = linear_reference(x, packed)
+    for isa in each_isa:
+        ops.native_set_isa(isa)
+        got = ops.native_linear(x, *packed.tensors(), int(WeightFormat.Q4_1), packed.rows)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(got, torch.full_like(got, sign * 62.0), atol=1e-2, rtol=1e-3)
+
+
 def test_block_formats_quantise_activations_like_the_reference():
     """The kernels' 8-bit activation rounding is the reference's: a float-activation product differs more."""
     g = torch.Generator().manual_seed(5)

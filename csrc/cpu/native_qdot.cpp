@@ -274,24 +274,39 @@ SA_VNNI void qdot_group_vnni(const WeightView& w, int64_t group, const Quantized
 }
 
 // ---------------------------------------------------------------------------------------------------- AVX2
-// The 16 rows of a group as two halves of 8 (lanes of 4 codes each).
+// The 16 rows of a group as two halves of 8 (lanes of 4 codes each). A half runs over all blocks with up to 4
+// activation rows at once (8 unpacked weight vectors + 4 accumulators fit the 16 registers), so a weight byte
+// is unpacked once per tile of 4 rows. Q4_1: a product pair of vpmaddubsw is at most 2 * 15 * 127 = 3810, so
+// the 8 products of a block add exactly in int16 (<= 30480) before one vpmaddwd widens them; Q8_0 pairs reach
+// 2 * 127 * 127 and widen after every product. The minimum term runs as its own loop after the codes (the same
+// float operations in the same order as one loop would do). Per row, the instructions do not depend on R.
 template <int R, bool Q4>
 SA_QAVX2 void qdot_tile_avx2(const WeightView& w, int64_t group, const QuantizedActivations& xa, int64_t m0, float* y,
                              int64_t ldy, int64_t rows_here) {
   const int64_t nb = w.cols / kBlock, K = xa.K;
   const uint16_t* sc = w.scales + group * nb * 16;
   const uint16_t* mn = Q4 ? w.mins + group * nb * 16 : nullptr;
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i low4 = _mm256_set1_epi8(15);
-  __m256 acc[R][2], macc[R][2];
-#pragma GCC unroll 2
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = macc[r][0] = macc[r][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-#pragma GCC unroll 2
-    for (int half = 0; half < 2; ++half) {
+  const int8_t* a[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) a[r] = xa.codes.data() + (m0 + r) * K;
+  const float* e[R];
+  const float* es[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    e[r] = xa.scale.data() + (m0 + r) * nb;
+    es[r] = xa.scaled_sum.data() + (m0 + r) * nb;
+  }
+  float out[R][16];
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
       __m256i wv[8];
       if (Q4) {
+        const __m256i low4 = _mm256_set1_epi8(15);
         const uint8_t* blk = static_cast<const uint8_t*>(w.data) + (group * nb + b) * 256 + 32 * half;
+#pragma GCC unroll 4
         for (int i = 0; i < 4; ++i) {
           const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * i));
           wv[i] = _mm256_and_si256(z, low4);
@@ -299,47 +314,68 @@ SA_QAVX2 void qdot_tile_avx2(const WeightView& w, int64_t group, const Quantized
         }
       } else {
         const int8_t* blk = static_cast<const int8_t*>(w.data) + (group * nb + b) * 512 + 32 * half;
+#pragma GCC unroll 8
         for (int c = 0; c < 8; ++c) wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * c));
       }
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + b * 16 + 8 * half)));
-#pragma GCC unroll 2
+#pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        const int64_t m = m0 + r;
-        const int8_t* ab = xa.codes.data() + m * K + b * kBlock;
-        __m256i s = _mm256_setzero_si256();
-        for (int c = 0; c < 8; ++c) {
-          const __m256i av = _mm256_set1_epi32(load_i32(ab + 4 * c));
-          const __m256i prod = Q4 ? _mm256_maddubs_epi16(wv[c], av)
-                                  : _mm256_maddubs_epi16(_mm256_sign_epi8(wv[c], wv[c]), _mm256_sign_epi8(av, wv[c]));
-          s = _mm256_add_epi32(s, _mm256_madd_epi16(prod, ones));
-        }
-        acc[r][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(xa.scale[m * nb + b])),
-                                       acc[r][half]);
+        const int8_t* ab = a[r] + b * kBlock;
+        const __m256i ones = _mm256_set1_epi16(1);
+        __m256i s;
         if (Q4) {
-          const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + b * 16 + 8 * half)));
-          macc[r][half] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xa.scaled_sum[m * nb + b]), macc[r][half]);
+          __m256i s16 = _mm256_maddubs_epi16(wv[0], _mm256_set1_epi32(load_i32(ab)));
+#pragma GCC unroll 8
+          for (int c = 1; c < 8; ++c)
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[c], _mm256_set1_epi32(load_i32(ab + 4 * c))));
+          s = _mm256_madd_epi16(s16, ones);
+        } else {
+          s = _mm256_setzero_si256();
+#pragma GCC unroll 8
+          for (int c = 0; c < 8; ++c) {
+            const __m256i av = _mm256_set1_epi32(load_i32(ab + 4 * c));
+            const __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(wv[c], wv[c]), _mm256_sign_epi8(av, wv[c]));
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(prod, ones));
+          }
         }
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(e[r][b])), acc[r]);
       }
     }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      __m256 macc = _mm256_setzero_ps();
+      if (Q4) {
+        for (int64_t b = 0; b < nb; ++b) {
+          const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + b * 16 + 8 * half)));
+          macc = _mm256_fmadd_ps(mw, _mm256_set1_ps(es[r][b]), macc);
+        }
+      }
+      _mm256_storeu_ps(out[r] + 8 * half, _mm256_add_ps(acc[r], macc));
+    }
   }
-#pragma GCC unroll 2
-  for (int r = 0; r < R; ++r) {
-    float out[16];
-    _mm256_storeu_ps(out, _mm256_add_ps(acc[r][0], macc[r][0]));
-    _mm256_storeu_ps(out + 8, _mm256_add_ps(acc[r][1], macc[r][1]));
-    std::memcpy(y + r * ldy, out, sizeof(float) * rows_here);
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, out[r], sizeof(float) * rows_here);
+}
+
+template <bool Q4>
+SA_QAVX2 void qdot_rows_avx2(const WeightView& w, int64_t group, const QuantizedActivations& xa, float* y, int64_t ldy,
+                             int64_t rows_here) {
+  int64_t m = 0;
+  for (; m + 4 <= xa.M; m += 4) qdot_tile_avx2<4, Q4>(w, group, xa, m, y + m * ldy, ldy, rows_here);
+  switch (xa.M - m) {
+    case 3: qdot_tile_avx2<3, Q4>(w, group, xa, m, y + m * ldy, ldy, rows_here); break;
+    case 2: qdot_tile_avx2<2, Q4>(w, group, xa, m, y + m * ldy, ldy, rows_here); break;
+    case 1: qdot_tile_avx2<1, Q4>(w, group, xa, m, y + m * ldy, ldy, rows_here); break;
+    default: break;
   }
 }
 
 SA_QAVX2 void qdot_group_avx2(const WeightView& w, int64_t group, const QuantizedActivations& xa, float* y,
                               int64_t ldy, int64_t rows_here) {
-  int64_t m = 0;
   if (w.format == kQ4_1) {
-    for (; m + 2 <= xa.M; m += 2) qdot_tile_avx2<2, true>(w, group, xa, m, y + m * ldy, ldy, rows_here);
-    for (; m < xa.M; ++m) qdot_tile_avx2<1, true>(w, group, xa, m, y + m * ldy, ldy, rows_here);
+    qdot_rows_avx2<true>(w, group, xa, y, ldy, rows_here);
   } else {
-    for (; m + 2 <= xa.M; m += 2) qdot_tile_avx2<2, false>(w, group, xa, m, y + m * ldy, ldy, rows_here);
-    for (; m < xa.M; ++m) qdot_tile_avx2<1, false>(w, group, xa, m, y + m * ldy, ldy, rows_here);
+    qdot_rows_avx2<false>(w, group, xa, y, ldy, rows_here);
   }
 }
 
