@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "native_linear.h"
@@ -191,6 +192,26 @@ void qdot_group_scalar(const WeightView& w, int64_t group, const QuantizedActiva
   }
 }
 
+// Activation rows [0, M) in tiles of kMax rows, then one tile of the remainder: tile(std::integral_constant<int,
+// R>, first row) with R fixed at compile time, so each tile size is its own register-resident instantiation.
+template <int R, typename Tile>
+inline void remainder_tile(int64_t rest, int64_t m, Tile& tile) {
+  if constexpr (R > 0) {
+    if (rest == R) {
+      tile(std::integral_constant<int, R>{}, m);
+    } else {
+      remainder_tile<R - 1>(rest, m, tile);
+    }
+  }
+}
+
+template <int kMax, typename Tile>
+inline void for_row_tiles(int64_t M, Tile&& tile) {
+  int64_t m = 0;
+  for (; m + kMax <= M; m += kMax) tile(std::integral_constant<int, kMax>{}, m);
+  remainder_tile<kMax - 1>(M - m, m, tile);
+}
+
 #if SA_QX86
 // ------------------------------------------------------------------------------------------- AVX-512 VNNI
 template <int R, bool Q4>
@@ -249,18 +270,9 @@ SA_VNNI void qdot_tile_vnni(const WeightView& w, int64_t group, const QuantizedA
 template <bool Q4>
 SA_VNNI void qdot_rows_vnni(const WeightView& w, int64_t group, const QuantizedActivations& xa, float* y, int64_t ldy,
                             __mmask16 mask) {
-  int64_t m = 0;
-  for (; m + 8 <= xa.M; m += 8) qdot_tile_vnni<8, Q4>(w, group, xa, m, y + m * ldy, ldy, mask);
-  switch (xa.M - m) {
-    case 7: qdot_tile_vnni<7, Q4>(w, group, xa, m, y + m * ldy, ldy, mask); break;
-    case 6: qdot_tile_vnni<6, Q4>(w, group, xa, m, y + m * ldy, ldy, mask); break;
-    case 5: qdot_tile_vnni<5, Q4>(w, group, xa, m, y + m * ldy, ldy, mask); break;
-    case 4: qdot_tile_vnni<4, Q4>(w, group, xa, m, y + m * ldy, ldy, mask); break;
-    case 3: qdot_tile_vnni<3, Q4>(w, group, xa, m, y + m * ldy, ldy, mask); break;
-    case 2: qdot_tile_vnni<2, Q4>(w, group, xa, m, y + m * ldy, ldy, mask); break;
-    case 1: qdot_tile_vnni<1, Q4>(w, group, xa, m, y + m * ldy, ldy, mask); break;
-    default: break;
-  }
+  for_row_tiles<8>(xa.M, [&](auto rows, int64_t m) {
+    qdot_tile_vnni<decltype(rows)::value, Q4>(w, group, xa, m, y + m * ldy, ldy, mask);
+  });
 }
 
 SA_VNNI void qdot_group_vnni(const WeightView& w, int64_t group, const QuantizedActivations& xa, float* y,
@@ -360,14 +372,9 @@ SA_QAVX2 void qdot_tile_avx2(const WeightView& w, int64_t group, const Quantized
 template <bool Q4>
 SA_QAVX2 void qdot_rows_avx2(const WeightView& w, int64_t group, const QuantizedActivations& xa, float* y, int64_t ldy,
                              int64_t rows_here) {
-  int64_t m = 0;
-  for (; m + 4 <= xa.M; m += 4) qdot_tile_avx2<4, Q4>(w, group, xa, m, y + m * ldy, ldy, rows_here);
-  switch (xa.M - m) {
-    case 3: qdot_tile_avx2<3, Q4>(w, group, xa, m, y + m * ldy, ldy, rows_here); break;
-    case 2: qdot_tile_avx2<2, Q4>(w, group, xa, m, y + m * ldy, ldy, rows_here); break;
-    case 1: qdot_tile_avx2<1, Q4>(w, group, xa, m, y + m * ldy, ldy, rows_here); break;
-    default: break;
-  }
+  for_row_tiles<4>(xa.M, [&](auto rows, int64_t m) {
+    qdot_tile_avx2<decltype(rows)::value, Q4>(w, group, xa, m, y + m * ldy, ldy, rows_here);
+  });
 }
 
 SA_QAVX2 void qdot_group_avx2(const WeightView& w, int64_t group, const QuantizedActivations& xa, float* y,
