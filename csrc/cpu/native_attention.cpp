@@ -396,106 +396,112 @@ SA_ATT2 inline __m256 load8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// float16 entries -> float32 (n a multiple of 8).
-SA_ATT2 void widen_block_avx2(const uint16_t* src, int64_t n, float* dst) {
-  for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+// Prefetch `bytes` bytes from p into the cache, a line at a time (keys / values of the unit's next tiles, so the
+// DRAM latency of the cache overlaps the arithmetic of the current one).
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
-// scores of one 16-key tile (D rows of 16) for G queries.
-template <int G>
-SA_ATT2 void score_tile_avx2(const float* tile, const float* const* qv, int64_t D, float* const* out) {
-  __m256 lo[G], hi[G];
-#pragma GCC unroll 4
-  for (int g = 0; g < G; ++g) lo[g] = hi[g] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; ++d) {
-    const __m256 k0 = _mm256_loadu_ps(tile + d * kKeyTile), k1 = _mm256_loadu_ps(tile + d * kKeyTile + 8);
-#pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) {
-      const __m256 qd = _mm256_set1_ps(qv[g][d]);
-      lo[g] = _mm256_fmadd_ps(qd, k0, lo[g]);
-      hi[g] = _mm256_fmadd_ps(qd, k1, hi[g]);
+// scores of one 16-key tile (D rows of 16 keys, float32 or float16 read directly) for G <= 3 queries. Each query
+// has 4 accumulation chains (key half x parity of d), added in a fixed order, so its scores do not depend on G.
+template <int G, typename T>
+SA_ATT2 void score_tile_avx2(const T* tile, const float* const* qv, int64_t D, float* const* out) {
+  __m256 acc[G][2][2];
+#pragma GCC unroll 3
+  for (int g = 0; g < G; ++g) acc[g][0][0] = acc[g][0][1] = acc[g][1][0] = acc[g][1][1] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 2) {  // D is even (a multiple of 8 on this path)
+#pragma GCC unroll 2
+    for (int par = 0; par < 2; ++par) {
+      const __m256 lo = load8(tile + (d + par) * kKeyTile), hi = load8(tile + (d + par) * kKeyTile + 8);
+#pragma GCC unroll 3
+      for (int g = 0; g < G; ++g) {
+        const __m256 qd = _mm256_set1_ps(qv[g][d + par]);
+        acc[g][par][0] = _mm256_fmadd_ps(qd, lo, acc[g][par][0]);
+        acc[g][par][1] = _mm256_fmadd_ps(qd, hi, acc[g][par][1]);
+      }
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 3
   for (int g = 0; g < G; ++g) {
-    _mm256_storeu_ps(out[g], lo[g]);
-    _mm256_storeu_ps(out[g] + 8, hi[g]);
+    _mm256_storeu_ps(out[g], _mm256_add_ps(acc[g][0][0], acc[g][1][0]));
+    _mm256_storeu_ps(out[g] + 8, _mm256_add_ps(acc[g][0][1], acc[g][1][1]));
   }
 }
 
-// o[g][d0 .. d0 + 8P) += sum over `count` rows of p[g][i] * row i, G queries.
-template <int G, int P>
-SA_ATT2 void accumulate_part_avx2(const float* rows, int64_t count, int64_t D, const float* const* p,
-                                  float* const* o, int64_t d0) {
+// o[g][d0 .. d0 + 8P) = sum over `count` rows (in order) of p[g][i] * row i, G <= 3 queries; one chain per
+// (query, 8 dims), so a query's sums do not depend on G. The first pass (d0 = 0) prefetches the rows ahead.
+template <int G, int P, typename T>
+SA_ATT2 void accumulate_rows_avx2(const T* rows, int64_t count, int64_t D, int64_t d0, const float* const* p,
+                                  float* const* o) {
   __m256 acc[G][P];
-#pragma GCC unroll 4
+#pragma GCC unroll 3
   for (int g = 0; g < G; ++g)
 #pragma GCC unroll 4
-    for (int part = 0; part < P; ++part) acc[g][part] = _mm256_loadu_ps(o[g] + d0 + 8 * part);
+    for (int part = 0; part < P; ++part) acc[g][part] = _mm256_setzero_ps();
+  constexpr int64_t kRowsAhead = 8;  // value rows prefetched ahead (on the first pass over the rows only)
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
   for (int64_t i = 0; i < count; ++i) {
-    const float* row = rows + i * D + d0;
-    __m256 v[P];
+    const T* row = rows + i * D + d0;
+    if (d0 == 0 && i + kRowsAhead < count) prefetch_bytes(rows + (i + kRowsAhead) * D, row_bytes);
+    __m256 pv[G];
+#pragma GCC unroll 3
+    for (int g = 0; g < G; ++g) pv[g] = _mm256_set1_ps(p[g][i]);
 #pragma GCC unroll 4
-    for (int part = 0; part < P; ++part) v[part] = _mm256_loadu_ps(row + 8 * part);
-#pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) {
-      const __m256 pv = _mm256_set1_ps(p[g][i]);
-#pragma GCC unroll 4
-      for (int part = 0; part < P; ++part) acc[g][part] = _mm256_fmadd_ps(pv, v[part], acc[g][part]);
+    for (int part = 0; part < P; ++part) {
+      const __m256 v = load8(row + 8 * part);
+#pragma GCC unroll 3
+      for (int g = 0; g < G; ++g) acc[g][part] = _mm256_fmadd_ps(pv[g], v, acc[g][part]);
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 3
   for (int g = 0; g < G; ++g)
 #pragma GCC unroll 4
     for (int part = 0; part < P; ++part) _mm256_storeu_ps(o[g] + d0 + 8 * part, acc[g][part]);
 }
 
-template <int G>
-SA_ATT2 void accumulate_block_avx2(const float* rows, int64_t count, int64_t D, const float* const* p,
-                                   float* const* o) {
+template <int G, typename T>
+SA_ATT2 void accumulate_all_avx2(const T* rows, int64_t count, int64_t D, const float* const* p, float* const* o) {
   for (int64_t d0 = 0; d0 < D; d0 += 32) {
     switch (std::min<int64_t>(32, D - d0) / 8) {
-      case 1: accumulate_part_avx2<G, 1>(rows, count, D, p, o, d0); break;
-      case 2: accumulate_part_avx2<G, 2>(rows, count, D, p, o, d0); break;
-      case 3: accumulate_part_avx2<G, 3>(rows, count, D, p, o, d0); break;
-      default: accumulate_part_avx2<G, 4>(rows, count, D, p, o, d0);
+      case 1: accumulate_rows_avx2<G, 1, T>(rows, count, D, d0, p, o); break;
+      case 2: accumulate_rows_avx2<G, 2, T>(rows, count, D, d0, p, o); break;
+      case 3: accumulate_rows_avx2<G, 3, T>(rows, count, D, d0, p, o); break;
+      default: accumulate_rows_avx2<G, 4, T>(rows, count, D, d0, p, o);
     }
   }
 }
 
-// Needs D % 8 == 0.
+// Needs D % 8 == 0. Keys and values are read where they lie (float16 converted on load), queries in groups of
+// at most 3 (the query heads of one kv head at decode), the next tiles prefetched.
 template <typename T>
 SA_ATT2 void unit_avx2(const Unit& u, const float* q, int64_t ldq, const T* k_layer, const T* v_layer, int64_t Hkv,
-                       int64_t C, int64_t D, float scale, float* partial, std::vector<float>& scores,
-                       std::vector<float>& wide) {
-  constexpr bool kHalf = std::is_same<T, uint16_t>::value;
+                       int64_t C, int64_t D, float scale, float* partial, std::vector<float>& scores) {
+  constexpr int64_t kAhead = 2;  // tiles of keys prefetched ahead of the one being scored
   const int64_t Q = static_cast<int64_t>(u.queries.size());
   const int64_t t0 = u.k0 / kKeyTile, t1 = (u.k1 + kKeyTile - 1) / kKeyTile;
   const int64_t width = (t1 - t0) * kKeyTile;
+  const int64_t tile_bytes = D * kKeyTile * static_cast<int64_t>(sizeof(T));
   scores.resize(Q * width);
-  if (kHalf) wide.resize(D * kKeyTile);
-  // 1. scores, 4 queries at a time per tile
+  const T* V = v_layer + (u.slot * Hkv + u.kvh) * C * D;
+  // 1. scores, 3 queries at a time per tile
+  for (int64_t t = t0; t < std::min(t1, t0 + kAhead); ++t)
+    prefetch_bytes(key_tile(k_layer, u.slot, u.kvh, Hkv, C, D, t), tile_bytes);
   for (int64_t t = t0; t < t1; ++t) {
-    const float* tile;
-    if constexpr (kHalf) {
-      widen_block_avx2(key_tile(k_layer, u.slot, u.kvh, Hkv, C, D, t), D * kKeyTile, wide.data());
-      tile = wide.data();
-    } else {
-      tile = key_tile(k_layer, u.slot, u.kvh, Hkv, C, D, t);
-    }
-    for (int64_t q0 = 0; q0 < Q; q0 += 4) {
-      const int count = static_cast<int>(std::min<int64_t>(4, Q - q0));
-      const float* qs[4];
-      float* outs[4];
+    if (t + kAhead < t1) prefetch_bytes(key_tile(k_layer, u.slot, u.kvh, Hkv, C, D, t + kAhead), tile_bytes);
+    const T* tile = key_tile(k_layer, u.slot, u.kvh, Hkv, C, D, t);
+    for (int64_t q0 = 0; q0 < Q; q0 += 3) {
+      const int count = static_cast<int>(std::min<int64_t>(3, Q - q0));
+      const float* qs[3];
+      float* outs[3];
       for (int g = 0; g < count; ++g) {
         qs[g] = q + u.queries[q0 + g].t * ldq + u.queries[q0 + g].h * D;
         outs[g] = scores.data() + (q0 + g) * width + (t - t0) * kKeyTile;
       }
       switch (count) {
-        case 1: score_tile_avx2<1>(tile, qs, D, outs); break;
-        case 2: score_tile_avx2<2>(tile, qs, D, outs); break;
-        case 3: score_tile_avx2<3>(tile, qs, D, outs); break;
-        default: score_tile_avx2<4>(tile, qs, D, outs);
+        case 1: score_tile_avx2<1, T>(tile, qs, D, outs); break;
+        case 2: score_tile_avx2<2, T>(tile, qs, D, outs); break;
+        default: score_tile_avx2<3, T>(tile, qs, D, outs);
       }
     }
   }
@@ -535,33 +541,30 @@ SA_ATT2 void unit_avx2(const Unit& u, const float* q, int64_t ldq, const T* k_la
     }
     out[1] = hsum8(sum);
   }
-  // 3. values, in key order, 2 queries at a time per block of at most 16 rows
-  for (int64_t qi = 0; qi < Q; ++qi) std::fill(partial + qi * (D + 2) + 2, partial + qi * (D + 2) + 2 + D, 0.f);
-  const T* V = v_layer + (u.slot * Hkv + u.kvh) * C * D;
-  for (int64_t t = t0; t < t1; ++t) {
-    const int64_t first = std::max(u.k0, t * kKeyTile), last = std::min(u.k1, (t + 1) * kKeyTile);
-    const float* rows;
-    if constexpr (kHalf) {
-      widen_block_avx2(V + first * D, (last - first) * D, wide.data());
-      rows = wide.data();
-    } else {
-      rows = V + first * D;
+  // 3. values over the unit's rows, in key order, 3 queries at a time (queries that see nothing here are skipped)
+  const float* ps[3];
+  float* os[3];
+  int live = 0;
+  auto flush = [&]() {
+    switch (live) {
+      case 0: break;
+      case 1: accumulate_all_avx2<1, T>(V + u.k0 * D, u.k1 - u.k0, D, ps, os); break;
+      case 2: accumulate_all_avx2<2, T>(V + u.k0 * D, u.k1 - u.k0, D, ps, os); break;
+      default: accumulate_all_avx2<3, T>(V + u.k0 * D, u.k1 - u.k0, D, ps, os);
     }
-    for (int64_t q0 = 0; q0 < Q; q0 += 2) {
-      const int count = static_cast<int>(std::min<int64_t>(2, Q - q0));
-      const float* ps[2];
-      float* os[2];
-      int live = 0;
-      for (int g = 0; g < count; ++g) {
-        if (partial[(q0 + g) * (D + 2)] == kNegInf) continue;  // sees nothing here
-        ps[live] = scores.data() + (q0 + g) * width + (first - t0 * kKeyTile);
-        os[live] = partial + (q0 + g) * (D + 2) + 2;
-        ++live;
-      }
-      if (live == 1) accumulate_block_avx2<1>(rows, last - first, D, ps, os);
-      if (live == 2) accumulate_block_avx2<2>(rows, last - first, D, ps, os);
+    live = 0;
+  };
+  for (int64_t qi = 0; qi < Q; ++qi) {
+    float* out = partial + qi * (D + 2);
+    if (out[0] == kNegInf) {
+      std::fill(out + 2, out + 2 + D, 0.f);
+      continue;
     }
+    ps[live] = scores.data() + qi * width + (u.k0 - t0 * kKeyTile);
+    os[live] = out + 2;
+    if (++live == 3) flush();
   }
+  flush();
 }
 
 #endif  // SA_ATT_X86
@@ -637,7 +640,7 @@ void attention(const float* q, int64_t ldq, const void* k_layer, const void* v_l
   for (size_t i = 0; i < units.size(); ++i) offset[i + 1] = offset[i] + static_cast<int64_t>(units[i].queries.size());
   std::vector<float> partial(offset.back() * (D + 2));
   at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, widened;
+    std::vector<float> scores;
     for (int64_t i = begin; i < end; ++i) {
       float* part = partial.data() + offset[i] * (D + 2);
       const Unit& u = units[i];
@@ -656,9 +659,9 @@ void attention(const float* q, int64_t ldq, const void* k_layer, const void* v_l
       }
       if (wide2) {
         if (half_cache) {
-          unit_avx2(u, q, ldq, kh, vh, Hkv, C, D, scale, part, scores, widened);
+          unit_avx2(u, q, ldq, kh, vh, Hkv, C, D, scale, part, scores);
         } else {
-          unit_avx2(u, q, ldq, kf, vf, Hkv, C, D, scale, part, scores, widened);
+          unit_avx2(u, q, ldq, kf, vf, Hkv, C, D, scale, part, scores);
         }
         continue;
       }
