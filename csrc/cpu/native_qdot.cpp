@@ -287,11 +287,16 @@ SA_VNNI void qdot_group_vnni(const WeightView& w, int64_t group, const Quantized
 
 // ---------------------------------------------------------------------------------------------------- AVX2
 // The 16 rows of a group as two halves of 8 (lanes of 4 codes each). A half runs over all blocks with up to 4
-// activation rows at once (8 unpacked weight vectors + 4 accumulators fit the 16 registers), so a weight byte
-// is unpacked once per tile of 4 rows. Q4_1: a product pair of vpmaddubsw is at most 2 * 15 * 127 = 3810, so
-// the 8 products of a block add exactly in int16 (<= 30480) before one vpmaddwd widens them; Q8_0 pairs reach
-// 2 * 127 * 127 and widen after every product. The minimum term runs as its own loop after the codes (the same
+// activation rows at once: each weight vector is loaded, unpacked and used by every row of the tile before the
+// next (so only the rows' sums, accumulators and one or two weight vectors are live, no spills). Q4_1: a
+// product pair of vpmaddubsw is at most 2 * 15 * 127 = 3810, so the 8 products of a block add exactly in int16
+// (<= 30480, in any order) before one vpmaddwd widens them; Q8_0 pairs reach 2 * 127 * 127 and widen after
+// every product. The minimum term runs as its own loop after the codes (the same
 // float operations in the same order as one loop would do). Per row, the instructions do not depend on R.
+// An empty asm that makes `v` live in a register here: keeps GCC from hoisting every product of a block ahead of
+// the sums (which spills them to the stack).
+SA_QAVX2 inline void pin(__m256i& v) { asm volatile("" : "+x"(v)); }
+
 template <int R, bool Q4>
 SA_QAVX2 void qdot_tile_avx2(const WeightView& w, int64_t group, const QuantizedActivations& xa, int64_t m0, float* y,
                              int64_t ldy, int64_t rows_here) {
@@ -314,44 +319,50 @@ SA_QAVX2 void qdot_tile_avx2(const WeightView& w, int64_t group, const Quantized
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-      __m256i wv[8];
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + b * 16 + 8 * half)));
+      const __m256i ones = _mm256_set1_epi16(1);
+      __m256i s[R];  // Q4_1: int16 sums of the block's 8 products; Q8_0: int32 sums
       if (Q4) {
+        // one 32-byte load holds chunk i (low nibbles) and chunk i + 4 (high nibbles) of the half's 8 rows;
+        // it is unpacked and used by every row of the tile before the next load
         const __m256i low4 = _mm256_set1_epi8(15);
         const uint8_t* blk = static_cast<const uint8_t*>(w.data) + (group * nb + b) * 256 + 32 * half;
 #pragma GCC unroll 4
         for (int i = 0; i < 4; ++i) {
           const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * i));
-          wv[i] = _mm256_and_si256(z, low4);
-          wv[i + 4] = _mm256_and_si256(_mm256_srli_epi16(z, 4), low4);
+          const __m256i lo = _mm256_and_si256(z, low4), hi = _mm256_and_si256(_mm256_srli_epi16(z, 4), low4);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            const int8_t* ab = a[r] + b * kBlock;
+            const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(ab + 4 * i))),
+                                                  _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(ab + 4 * i + 16))));
+            s[r] = i == 0 ? pair : _mm256_add_epi16(s[r], pair);
+          }
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) pin(s[r]);
         }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) s[r] = _mm256_madd_epi16(s[r], ones);
       } else {
         const int8_t* blk = static_cast<const int8_t*>(w.data) + (group * nb + b) * 512 + 32 * half;
-#pragma GCC unroll 8
-        for (int c = 0; c < 8; ++c) wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * c));
-      }
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + b * 16 + 8 * half)));
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const int8_t* ab = a[r] + b * kBlock;
-        const __m256i ones = _mm256_set1_epi16(1);
-        __m256i s;
-        if (Q4) {
-          __m256i s16 = _mm256_maddubs_epi16(wv[0], _mm256_set1_epi32(load_i32(ab)));
+        for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-          for (int c = 1; c < 8; ++c)
-            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[c], _mm256_set1_epi32(load_i32(ab + 4 * c))));
-          s = _mm256_madd_epi16(s16, ones);
-        } else {
-          s = _mm256_setzero_si256();
-#pragma GCC unroll 8
-          for (int c = 0; c < 8; ++c) {
-            const __m256i av = _mm256_set1_epi32(load_i32(ab + 4 * c));
-            const __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(wv[c], wv[c]), _mm256_sign_epi8(av, wv[c]));
-            s = _mm256_add_epi32(s, _mm256_madd_epi16(prod, ones));
+        for (int c = 0; c < 8; ++c) {
+          const __m256i wc = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * c));
+          const __m256i mag = _mm256_sign_epi8(wc, wc);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            const __m256i av = _mm256_set1_epi32(load_i32(a[r] + b * kBlock + 4 * c));
+            s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(av, wc)), ones));
           }
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) pin(s[r]);
         }
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(e[r][b])), acc[r]);
       }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(d, _mm256_set1_ps(e[r][b])), acc[r]);
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
