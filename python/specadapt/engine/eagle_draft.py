@@ -30,7 +30,8 @@ class EagleDraft(Draft):
         sampling: the run's sampling transform (applied to the head's logits over its draft vocabulary).
         seed: the draft's own seed (mixed into the coins it samples with, :func:`~specadapt.engine.drafts.draft_coins`).
         name: label in reports.
-        window: recent ``(feature, token)`` pairs kept per request for Test-Time Speculation snapshots.
+        window: recent ``(feature, token)`` pairs kept per request for Test-Time Speculation snapshots (kept
+            only once :meth:`tts_student` has been asked for: without TTS nothing reads them).
     """
 
     needs_target_hidden = True
@@ -48,6 +49,7 @@ class EagleDraft(Draft):
         self.seed = int(seed)
         self.name = name
         self.window = window
+        self.record_context = False  # set by tts_student(): keep the recent pairs TTS trains on
         self.kv: RaggedKVCache | None = None
         self._pending: torch.Tensor | None = None  # [B, m, 3h] features not yet fed
         self._pending_counts: torch.Tensor | None = None  # [B]
@@ -114,7 +116,7 @@ class EagleDraft(Draft):
         out = self.kv.forward(ids, counts, return_outputs=True, features=feats)
         last = (counts - 1).clamp_min(0)
         index = torch.arange(batch)
-        for r in range(batch):
+        for r in range(batch if self.record_context else 0):
             c = int(counts[r])
             if c:
                 self.recent_features[r] = torch.cat([self.recent_features[r], feats[r, :c].float().cpu()])[-self.window :]
@@ -294,4 +296,5 @@ class EagleDraft(Draft):
         """Test-Time Speculation trains the head (:class:`~.tts_students.EagleDraftStudent`)."""
         from .tts_students import EagleDraftStudent
 
+        self.record_context = True
         return EagleDraftStudent(self)
