@@ -93,3 +93,23 @@ def test_bad_sampling_inputs_raise():
         sample_from_probs(torch.ones(1, 4), torch.ones(1, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="top_p"):
         torch.ops.specadapt.sampling_probs(torch.zeros(1, 4), 1.0, 0, 0.0)
+
+
+@pytest.mark.parametrize("first_tie", [0, 3, 8, 13])
+def test_top_p_cut_through_ties_keeps_the_lowest_ids(first_tie, isa):
+    """30 tokens tie at the cut probability, starting at several lane offsets: the kept ones are exactly the
+    lowest ids among them (the vector cut compares ids lane by lane in the block that holds the cut)."""
+    vocab, ties, top = 64, 30, 6.0
+    logits = torch.full((1, vocab), -4.0)
+    logits[0, vocab - 1] = top  # the most likely token, ranked first
+    tie_ids = torch.arange(first_tie, first_tie + ties)
+    logits[0, tie_ids] = 1.0
+    p = torch.softmax(logits[0].double(), -1)
+    # keep the top token and 11 of the tied ones: top_p halfway between 10 and 11 tied tokens' cumulative mass
+    top_p = float(p[vocab - 1] + 10.5 * p[first_tie])
+    got = logits_to_probs(logits, SamplingParams(1.0, top_p, 0))
+    want = logits_to_probs_reference(logits, SamplingParams(1.0, top_p, 0))
+    kept = (got[0] > 0).nonzero().flatten().tolist()
+    assert kept == tie_ids[:11].tolist() + [vocab - 1]
+    assert torch.equal(got > 0, want > 0)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-4)
