@@ -95,11 +95,12 @@ def test_bad_sampling_inputs_raise():
         torch.ops.specadapt.sampling_probs(torch.zeros(1, 4), 1.0, 0, 0.0)
 
 
-@pytest.mark.parametrize("first_tie", [0, 3, 8, 13])
-def test_top_p_cut_through_ties_keeps_the_lowest_ids(first_tie, isa):
-    """30 tokens tie at the cut probability, starting at several lane offsets: the kept ones are exactly the
-    lowest ids among them (the vector cut compares ids lane by lane in the block that holds the cut)."""
-    vocab, ties, top = 64, 30, 6.0
+@pytest.mark.parametrize("vocab,first_tie,ties", [(64, 0, 30), (64, 3, 30), (64, 8, 30), (64, 13, 30), (75, 62, 12)])
+def test_top_p_cut_through_ties_keeps_the_lowest_ids(vocab, first_tie, ties, isa):
+    """Tokens tie at the cut probability, starting at several lane offsets: the kept ones are exactly the lowest
+    ids among them (the vector cut compares ids lane by lane in the block that holds the cut; with 75 tokens the
+    cut and the most likely token lie in the 3-token tail after the last full vector)."""
+    top = 6.0
     logits = torch.full((1, vocab), -4.0)
     logits[0, vocab - 1] = top  # the most likely token, ranked first
     tie_ids = torch.arange(first_tie, first_tie + ties)

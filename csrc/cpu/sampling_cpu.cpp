@@ -103,12 +103,8 @@ SA_SAMP2 float scale_max_avx2(const float* logits, int64_t V, float t, float* ou
   }
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, best);
-  float top = lanes[0];
-  for (int i = 1; i < 8; ++i) top = std::max(top, lanes[i]);
-  for (; v < V; ++v) {
-    out[v] = logits[v] / t;
-    top = std::max(top, out[v]);
-  }
+  float top = scale_max_scalar(logits + v, V - v, t, out + v);  // the tail (-inf when there is none)
+  for (int i = 0; i < 8; ++i) top = std::max(top, lanes[i]);
   return top;
 }
 
@@ -140,7 +136,7 @@ SA_SAMP2 void scale_avx2(float* out, int64_t V, float f) {
   const __m256 vf = _mm256_set1_ps(f);
   int64_t v = 0;
   for (; v + 8 <= V; v += 8) _mm256_storeu_ps(out + v, _mm256_mul_ps(_mm256_loadu_ps(out + v), vf));
-  for (; v < V; ++v) out[v] *= f;
+  scale_scalar(out + v, V - v, f);
 }
 
 SA_SAMP2 double cut_avx2(float* out, int64_t V, uint32_t cut_bits, int64_t cut_id) {
@@ -164,16 +160,7 @@ SA_SAMP2 double cut_avx2(float* out, int64_t V, uint32_t cut_bits, int64_t cut_i
     _mm256_storeu_ps(out + v, kept);
     acc = widen_sum(acc, kept);
   }
-  double total = hsum_pd(acc);
-  for (; v < V; ++v) {
-    const uint32_t b = bits_of(out[v]);
-    if (b > cut_bits || (b == cut_bits && v <= cut_id)) {
-      total += out[v];
-    } else {
-      out[v] = 0.f;
-    }
-  }
-  return total;
+  return hsum_pd(acc) + cut_scalar(out + v, V - v, cut_bits, cut_id - v);  // the tail, ids shifted by v
 }
 #endif
 
