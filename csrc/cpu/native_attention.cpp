@@ -171,105 +171,108 @@ SA_ATT512 inline __m512 load16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-template <int G, typename T>
-SA_ATT512 void score_tile_avx512(const T* tile, const float* const* qv, int64_t D, float* const* out) {
-  __m512 a0[G], a1[G];
-#pragma GCC unroll 4
-  for (int g = 0; g < G; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
-  int64_t d = 0;
-  for (; d + 2 <= D; d += 2) {
-    const __m512 k0 = load16(tile + d * kKeyTile), k1 = load16(tile + (d + 1) * kKeyTile);
-#pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) {
-      a0[g] = _mm512_fmadd_ps(_mm512_set1_ps(qv[g][d]), k0, a0[g]);
-      a1[g] = _mm512_fmadd_ps(_mm512_set1_ps(qv[g][d + 1]), k1, a1[g]);
-    }
-  }
-  for (; d < D; ++d) {
-    const __m512 k0 = load16(tile + d * kKeyTile);
-#pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) a0[g] = _mm512_fmadd_ps(_mm512_set1_ps(qv[g][d]), k0, a0[g]);
-  }
-#pragma GCC unroll 4
-  for (int g = 0; g < G; ++g) _mm512_storeu_ps(out[g], _mm512_add_ps(a0[g], a1[g]));
+// Prefetch `bytes` bytes from p into the cache, a line at a time (keys / values of the unit's next tiles, so the
+// memory latency of the cache overlaps the arithmetic of the current one).
+constexpr int64_t kTilesAhead = 2;  // key tiles prefetched ahead of the one being scored
+constexpr int64_t kRowsAhead = 8;   // value rows prefetched ahead (on the first pass over the rows only)
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
-// o[g][0 .. 16P) (in memory) += sum over `count` keys of p[g][i] * V row i (16P floats from `rows`), G queries.
-template <int G, int P, typename T>
-SA_ATT512 void accumulate_part_avx512(const T* rows, int64_t count, int64_t D, const float* const* p,
-                                      float* const* o, int64_t d0) {
-  __m512 acc[G][P];
+// scores of one 16-key tile (D rows of 16 keys, float32 or float16 read directly) for G <= 3 queries. Each query
+// has 4 accumulation chains (d mod 4), added in a fixed order, so its scores do not depend on G.
+template <int G, typename T>
+SA_ATT512 void score_tile_avx512(const T* tile, const float* const* qv, int64_t D, float* const* out) {
+  __m512 acc[G][4];
+#pragma GCC unroll 3
+  for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 4) {  // D is a multiple of 16 on this path
 #pragma GCC unroll 4
-  for (int g = 0; g < G; ++g)
-#pragma GCC unroll 4
-    for (int part = 0; part < P; ++part) acc[g][part] = _mm512_loadu_ps(o[g] + d0 + 16 * part);
-  for (int64_t i = 0; i < count; ++i) {
-    const T* row = rows + i * D + d0;
-    __m512 v[P];
-#pragma GCC unroll 4
-    for (int part = 0; part < P; ++part) v[part] = load16(row + 16 * part);
-#pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) {
-      const __m512 pv = _mm512_set1_ps(p[g][i]);
-#pragma GCC unroll 4
-      for (int part = 0; part < P; ++part) acc[g][part] = _mm512_fmadd_ps(pv, v[part], acc[g][part]);
+    for (int c = 0; c < 4; ++c) {
+      const __m512 k = load16(tile + (d + c) * kKeyTile);
+#pragma GCC unroll 3
+      for (int g = 0; g < G; ++g) acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(qv[g][d + c]), k, acc[g][c]);
     }
   }
+#pragma GCC unroll 3
+  for (int g = 0; g < G; ++g)
+    _mm512_storeu_ps(out[g], _mm512_add_ps(_mm512_add_ps(acc[g][0], acc[g][2]), _mm512_add_ps(acc[g][1], acc[g][3])));
+}
+
+// o[g][d0 .. d0 + 16P) = sum over `count` rows (in order) of p[g][i] * row i, G <= 3 queries; one chain per
+// (query, 16 dims), so a query's sums do not depend on G. The first pass (d0 = 0) prefetches the rows ahead.
+template <int G, int P, typename T>
+SA_ATT512 void accumulate_rows_avx512(const T* rows, int64_t count, int64_t D, int64_t d0, const float* const* p,
+                                      float* const* o) {
+  __m512 acc[G][P];
+#pragma GCC unroll 3
+  for (int g = 0; g < G; ++g)
 #pragma GCC unroll 4
+    for (int part = 0; part < P; ++part) acc[g][part] = _mm512_setzero_ps();
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+  for (int64_t i = 0; i < count; ++i) {
+    const T* row = rows + i * D + d0;
+    if (d0 == 0 && i + kRowsAhead < count) prefetch_bytes(rows + (i + kRowsAhead) * D, row_bytes);
+    __m512 pv[G];
+#pragma GCC unroll 3
+    for (int g = 0; g < G; ++g) pv[g] = _mm512_set1_ps(p[g][i]);
+#pragma GCC unroll 4
+    for (int part = 0; part < P; ++part) {
+      const __m512 v = load16(row + 16 * part);
+#pragma GCC unroll 3
+      for (int g = 0; g < G; ++g) acc[g][part] = _mm512_fmadd_ps(pv[g], v, acc[g][part]);
+    }
+  }
+#pragma GCC unroll 3
   for (int g = 0; g < G; ++g)
 #pragma GCC unroll 4
     for (int part = 0; part < P; ++part) _mm512_storeu_ps(o[g] + d0 + 16 * part, acc[g][part]);
 }
 
 template <int G, typename T>
-SA_ATT512 void accumulate_block_avx512(const T* rows, int64_t count, int64_t D, const float* const* p,
-                                       float* const* o) {
+SA_ATT512 void accumulate_all_avx512(const T* rows, int64_t count, int64_t D, const float* const* p,
+                                     float* const* o) {
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
     switch (std::min<int64_t>(64, D - d0) / 16) {
-      case 1: accumulate_part_avx512<G, 1, T>(rows, count, D, p, o, d0); break;
-      case 2: accumulate_part_avx512<G, 2, T>(rows, count, D, p, o, d0); break;
-      case 3: accumulate_part_avx512<G, 3, T>(rows, count, D, p, o, d0); break;
-      default: accumulate_part_avx512<G, 4, T>(rows, count, D, p, o, d0);
+      case 1: accumulate_rows_avx512<G, 1, T>(rows, count, D, d0, p, o); break;
+      case 2: accumulate_rows_avx512<G, 2, T>(rows, count, D, d0, p, o); break;
+      case 3: accumulate_rows_avx512<G, 3, T>(rows, count, D, d0, p, o); break;
+      default: accumulate_rows_avx512<G, 4, T>(rows, count, D, d0, p, o);
     }
   }
 }
 
-// float16 entries -> float32 (n a multiple of 16), once per tile / value block of a unit.
-SA_ATT512 void widen_block(const uint16_t* src, int64_t n, float* dst) {
-  for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
-}
-
+// Needs D % 16 == 0. Keys and values are read where they lie (float16 converted on load), queries in groups of
+// at most 3 (the query heads of one kv head at decode), the next tiles prefetched; values summed over the unit's
+// rows in registers (64 dims per pass).
 template <typename T>
 SA_ATT512 void unit_avx512(const Unit& u, const float* q, int64_t ldq, const T* k_layer, const T* v_layer,
                            int64_t Hkv, int64_t C, int64_t D, float scale, float* partial, std::vector<float>& scores) {
-  constexpr bool kHalf = std::is_same<T, uint16_t>::value;
   const int64_t Q = static_cast<int64_t>(u.queries.size());
   const int64_t t0 = u.k0 / kKeyTile, t1 = (u.k1 + kKeyTile - 1) / kKeyTile;
   const int64_t width = (t1 - t0) * kKeyTile;
+  const int64_t tile_bytes = D * kKeyTile * static_cast<int64_t>(sizeof(T));
   scores.resize(Q * width);
-  std::vector<float> wide(kHalf ? D * kKeyTile : 0);  // a float16 tile / value block widened once for all queries
-  // 1. scores, 4 queries at a time per tile (the tile stays in L1 across the groups)
+  const T* V = v_layer + (u.slot * Hkv + u.kvh) * C * D;
+  // 1. scores, 3 queries at a time per tile
+  for (int64_t t = t0; t < std::min(t1, t0 + kTilesAhead); ++t)
+    prefetch_bytes(key_tile(k_layer, u.slot, u.kvh, Hkv, C, D, t), tile_bytes);
   for (int64_t t = t0; t < t1; ++t) {
-    const float* tile;
-    if constexpr (kHalf) {
-      widen_block(key_tile(k_layer, u.slot, u.kvh, Hkv, C, D, t), D * kKeyTile, wide.data());
-      tile = wide.data();
-    } else {
-      tile = key_tile(k_layer, u.slot, u.kvh, Hkv, C, D, t);
-    }
-    for (int64_t q0 = 0; q0 < Q; q0 += 4) {
-      const int count = static_cast<int>(std::min<int64_t>(4, Q - q0));
-      const float* qs[4];
-      float* outs[4];
+    if (t + kTilesAhead < t1) prefetch_bytes(key_tile(k_layer, u.slot, u.kvh, Hkv, C, D, t + kTilesAhead), tile_bytes);
+    const T* tile = key_tile(k_layer, u.slot, u.kvh, Hkv, C, D, t);
+    for (int64_t q0 = 0; q0 < Q; q0 += 3) {
+      const int count = static_cast<int>(std::min<int64_t>(3, Q - q0));
+      const float* qs[3];
+      float* outs[3];
       for (int g = 0; g < count; ++g) {
         qs[g] = q + u.queries[q0 + g].t * ldq + u.queries[q0 + g].h * D;
         outs[g] = scores.data() + (q0 + g) * width + (t - t0) * kKeyTile;
       }
       switch (count) {
-        case 1: score_tile_avx512<1, float>(tile, qs, D, outs); break;
-        case 2: score_tile_avx512<2, float>(tile, qs, D, outs); break;
-        case 3: score_tile_avx512<3, float>(tile, qs, D, outs); break;
-        default: score_tile_avx512<4, float>(tile, qs, D, outs);
+        case 1: score_tile_avx512<1, T>(tile, qs, D, outs); break;
+        case 2: score_tile_avx512<2, T>(tile, qs, D, outs); break;
+        default: score_tile_avx512<3, T>(tile, qs, D, outs);
       }
     }
   }
@@ -306,40 +309,32 @@ SA_ATT512 void unit_avx512(const Unit& u, const float* q, int64_t ldq, const T* 
     }
     out[1] = _mm512_reduce_add_ps(sum);
   }
-  // 3. values, in key order, 4 queries at a time per block of 16 rows
-  for (int64_t qi = 0; qi < Q; ++qi) std::fill(partial + qi * (D + 2) + 2, partial + qi * (D + 2) + 2 + D, 0.f);
-  const T* V = v_layer + (u.slot * Hkv + u.kvh) * C * D;
-  for (int64_t t = t0; t < t1; ++t) {
-    const int64_t first = std::max(u.k0, t * kKeyTile), last = std::min(u.k1, (t + 1) * kKeyTile);
-    const float* rows;
-    if constexpr (kHalf) {
-      widen_block(V + first * D, (last - first) * D, wide.data());  // (last - first) * D is a multiple of 16
-      rows = wide.data();
-    } else {
-      rows = V + first * D;
+  // 3. values over the unit's rows, in key order, 3 queries at a time (queries that see nothing here are skipped)
+  const float* ps[3];
+  float* os[3];
+  int live = 0;
+  auto flush = [&]() {
+    switch (live) {
+      case 0: break;
+      case 1: accumulate_all_avx512<1, T>(V + u.k0 * D, u.k1 - u.k0, D, ps, os); break;
+      case 2: accumulate_all_avx512<2, T>(V + u.k0 * D, u.k1 - u.k0, D, ps, os); break;
+      default: accumulate_all_avx512<3, T>(V + u.k0 * D, u.k1 - u.k0, D, ps, os);
     }
-    for (int64_t q0 = 0; q0 < Q; q0 += 4) {
-      const int count = static_cast<int>(std::min<int64_t>(4, Q - q0));
-      const float* ps[4];
-      float* os[4];
-      int live = 0;
-      for (int g = 0; g < count; ++g) {
-        const float* row_p = scores.data() + (q0 + g) * width + (first - t0 * kKeyTile);
-        if (partial[(q0 + g) * (D + 2)] == kNegInf) continue;  // sees nothing here
-        ps[live] = row_p;
-        os[live] = partial + (q0 + g) * (D + 2) + 2;
-        ++live;
-      }
-      switch (live) {
-        case 0: break;
-        case 1: accumulate_block_avx512<1, float>(rows, last - first, D, ps, os); break;
-        case 2: accumulate_block_avx512<2, float>(rows, last - first, D, ps, os); break;
-        case 3: accumulate_block_avx512<3, float>(rows, last - first, D, ps, os); break;
-        default: accumulate_block_avx512<4, float>(rows, last - first, D, ps, os);
-      }
+    live = 0;
+  };
+  for (int64_t qi = 0; qi < Q; ++qi) {
+    float* out = partial + qi * (D + 2);
+    if (out[0] == kNegInf) {
+      std::fill(out + 2, out + 2 + D, 0.f);
+      continue;
     }
+    ps[live] = scores.data() + qi * width + (u.k0 - t0 * kKeyTile);
+    os[live] = out + 2;
+    if (++live == 3) flush();
   }
+  flush();
 }
+
 
 SA_ATT512 void exp_inplace_avx512(float* x, int64_t n) {
   int64_t i = 0;
@@ -396,12 +391,6 @@ SA_ATT2 inline __m256 load8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// Prefetch `bytes` bytes from p into the cache, a line at a time (keys / values of the unit's next tiles, so the
-// DRAM latency of the cache overlaps the arithmetic of the current one).
-inline void prefetch_bytes(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
-}
 
 // scores of one 16-key tile (D rows of 16 keys, float32 or float16 read directly) for G <= 3 queries. Each query
 // has 4 accumulation chains (key half x parity of d), added in a fixed order, so its scores do not depend on G.
@@ -439,7 +428,6 @@ SA_ATT2 void accumulate_rows_avx2(const T* rows, int64_t count, int64_t D, int64
   for (int g = 0; g < G; ++g)
 #pragma GCC unroll 4
     for (int part = 0; part < P; ++part) acc[g][part] = _mm256_setzero_ps();
-  constexpr int64_t kRowsAhead = 8;  // value rows prefetched ahead (on the first pass over the rows only)
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
   for (int64_t i = 0; i < count; ++i) {
     const T* row = rows + i * D + d0;
@@ -477,7 +465,6 @@ SA_ATT2 void accumulate_all_avx2(const T* rows, int64_t count, int64_t D, const 
 template <typename T>
 SA_ATT2 void unit_avx2(const Unit& u, const float* q, int64_t ldq, const T* k_layer, const T* v_layer, int64_t Hkv,
                        int64_t C, int64_t D, float scale, float* partial, std::vector<float>& scores) {
-  constexpr int64_t kAhead = 2;  // tiles of keys prefetched ahead of the one being scored
   const int64_t Q = static_cast<int64_t>(u.queries.size());
   const int64_t t0 = u.k0 / kKeyTile, t1 = (u.k1 + kKeyTile - 1) / kKeyTile;
   const int64_t width = (t1 - t0) * kKeyTile;
@@ -485,10 +472,10 @@ SA_ATT2 void unit_avx2(const Unit& u, const float* q, int64_t ldq, const T* k_la
   scores.resize(Q * width);
   const T* V = v_layer + (u.slot * Hkv + u.kvh) * C * D;
   // 1. scores, 3 queries at a time per tile
-  for (int64_t t = t0; t < std::min(t1, t0 + kAhead); ++t)
+  for (int64_t t = t0; t < std::min(t1, t0 + kTilesAhead); ++t)
     prefetch_bytes(key_tile(k_layer, u.slot, u.kvh, Hkv, C, D, t), tile_bytes);
   for (int64_t t = t0; t < t1; ++t) {
-    if (t + kAhead < t1) prefetch_bytes(key_tile(k_layer, u.slot, u.kvh, Hkv, C, D, t + kAhead), tile_bytes);
+    if (t + kTilesAhead < t1) prefetch_bytes(key_tile(k_layer, u.slot, u.kvh, Hkv, C, D, t + kTilesAhead), tile_bytes);
     const T* tile = key_tile(k_layer, u.slot, u.kvh, Hkv, C, D, t);
     for (int64_t q0 = 0; q0 < Q; q0 += 3) {
       const int count = static_cast<int>(std::min<int64_t>(3, Q - q0));
