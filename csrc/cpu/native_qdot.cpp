@@ -213,23 +213,22 @@ inline void for_row_tiles(int64_t M, Tile&& tile) {
 }
 
 #if SA_QX86
-// Software prefetch of the Q4_1 weights kBlocksAhead blocks (4 KB) ahead of block b, with their scales and
-// minimums (a line holds two blocks' 16 scales). A thread's groups are consecutive in memory, so this runs ahead
-// across group boundaries too. Without it the kernel waited on its weight loads (perf: most samples on the
-// instruction after each load) and read ~8 GB/s per core on an AMX Xeon; prefetching 1-16 KB ahead cut the
-// linear layers' time by about a third (plateau from 2 KB).
+// Software prefetch of a block's weights kBlocksAhead blocks ahead of block b (Q4_1: 256 bytes a block, 4 KB
+// ahead; Q8_0: 512 bytes, 8 KB), with their scales and minimums (a line holds two blocks' 16 scales). A thread's
+// groups are consecutive in memory, so this runs ahead across group boundaries too. Without it the kernels
+// waited on their weight loads (perf: most samples on the instruction after each load) and read ~8 GB/s per core
+// on an AMX Xeon; prefetching 1-16 KB ahead cut the Q4_1 layers' time by about a quarter (plateau from 2 KB).
 constexpr int64_t kBlocksAhead = 16;
 // prefetcht0 as an asm statement: GCC 12 dropped the _mm_prefetch calls of this file (none were in the object).
 inline void prefetch_line(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p))); }
-inline void prefetch_block_ahead(const uint8_t* blk, const uint16_t* sc, const uint16_t* mn, int64_t b) {
-  const uint8_t* ahead = blk + 256 * kBlocksAhead;
-  prefetch_line(ahead);
-  prefetch_line(ahead + 64);
-  prefetch_line(ahead + 128);
-  prefetch_line(ahead + 192);
+template <int kBlockBytes>
+inline void prefetch_block_ahead(const void* blk, const uint16_t* sc, const uint16_t* mn, int64_t b) {
+  const char* ahead = static_cast<const char*>(blk) + kBlockBytes * kBlocksAhead;
+#pragma GCC unroll 8
+  for (int line = 0; line < kBlockBytes / 64; ++line) prefetch_line(ahead + 64 * line);
   if ((b & 1) == 0) {
     prefetch_line(sc + 16 * (b + kBlocksAhead));
-    prefetch_line(mn + 16 * (b + kBlocksAhead));
+    if (mn != nullptr) prefetch_line(mn + 16 * (b + kBlocksAhead));
   }
 }
 
@@ -252,7 +251,7 @@ SA_VNNI void qdot_tile_vnni(const WeightView& w, int64_t group, const QuantizedA
     __m512i wv[8];
     if (Q4) {
       const uint8_t* blk = static_cast<const uint8_t*>(w.data) + (group * nb + b) * 256;
-      prefetch_block_ahead(blk, sc, mn, b);
+      prefetch_block_ahead<256>(blk, sc, mn, b);
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
         const __m512i z = _mm512_loadu_si512(blk + 64 * i);
@@ -261,6 +260,7 @@ SA_VNNI void qdot_tile_vnni(const WeightView& w, int64_t group, const QuantizedA
       }
     } else {
       const int8_t* blk = static_cast<const int8_t*>(w.data) + (group * nb + b) * 512;
+      prefetch_block_ahead<512>(blk, sc, nullptr, b);
 #pragma GCC unroll 8
       for (int c = 0; c < 8; ++c) wv[c] = _mm512_xor_si512(_mm512_loadu_si512(blk + 64 * c), flip);
     }
@@ -348,7 +348,7 @@ SA_QAVX2 void qdot_tile_avx2(const WeightView& w, int64_t group, const Quantized
         // it is unpacked and used by every row of the tile before the next load
         const __m256i low4 = _mm256_set1_epi8(15);
         const uint8_t* blk = static_cast<const uint8_t*>(w.data) + (group * nb + b) * 256 + 32 * half;
-        if (half == 0) prefetch_block_ahead(blk, sc, mn, b);
+        if (half == 0) prefetch_block_ahead<256>(blk, sc, mn, b);
 #pragma GCC unroll 4
         for (int i = 0; i < 4; ++i) {
           const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * i));
@@ -367,6 +367,7 @@ SA_QAVX2 void qdot_tile_avx2(const WeightView& w, int64_t group, const Quantized
         for (int r = 0; r < R; ++r) s[r] = _mm256_madd_epi16(s[r], ones);
       } else {
         const int8_t* blk = static_cast<const int8_t*>(w.data) + (group * nb + b) * 512 + 32 * half;
+        if (half == 0) prefetch_block_ahead<512>(blk, sc, nullptr, b);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
