@@ -380,3 +380,26 @@ def test_tts_needs_a_model_draft(tiny_target):
 
     with pytest.raises(ValueError, match="model draft"):
         EngineTTS(NgramDraft(), TTSConfig(), GREEDY)
+
+
+@pytest.mark.parametrize("cores, threads, trainer, device, pays", [
+    (2, 2, 1, "cpu", False),  # the decoder's threads use every core: a trainer thread would contend
+    (4, 2, 1, "cpu", True),
+    (3, 2, 2, "cpu", False),  # one spare core for a 2-thread trainer
+    (4, 2, 2, "cpu", True),
+    (2, 2, 1, "cuda", True),  # a side stream
+    (1, 1, 1, "cuda:0", True),
+])
+def test_background_trainer_runs_only_where_it_has_compute_of_its_own(monkeypatch, cores, threads, trainer, device,
+                                                                      pays):
+    import os
+
+    from specadapt.cli.engine_args import tts_asynchronous
+    from specadapt.tts import background_trainer_pays
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    assert background_trainer_pays(device, trainer_threads=trainer) is pays
+    if trainer == 1:
+        assert tts_asynchronous(False, device) is pays
+        assert tts_asynchronous(True, device) is False  # --tts-sync always runs inline

@@ -90,7 +90,9 @@ def add_engine_arguments(p) -> None:
                      help="train the draft online on the target's verification pass (eagle, self:N or a model draft)")
     add_arguments(tts, TTSConfig, "engine")  # --tts-*: TTSConfig's fields
     tts.add_argument("--tts-sync", action="store_true",
-                     help="run updates inline at the boundary instead of on a background thread (debugging)")
+                     help="run updates inline at the boundary instead of on a background thread (CUDA: a side "
+                          "stream). Without it updates run in the background where they have compute of their own "
+                          "(CUDA, or a CPU with more cores than the decoder's threads) and inline otherwise")
     p.add_argument("--seed", type=int, default=d["seed"], help="seeds the coins of verification and the draft")
     p.add_argument("--dtype", default=d["dtype"], choices=["auto", "float32", "bfloat16", "int8", "int4"],
                    help="weight format of target and draft: float32, bfloat16, int8 (Q8_0 blocks) or int4 (Q4_1 blocks; "
@@ -306,6 +308,23 @@ def _config_of(cls, args):
         raise UsageError(flag_message(exc, cls, "engine")) from None
 
 
+def tts_asynchronous(sync: bool, device: str) -> bool:
+    """Whether TTS updates run on a background thread / side stream: not with ``--tts-sync``, and on a CPU only
+    where the trainer has a core the decoder does not use (:func:`specadapt.tts.background_trainer_pays`)."""
+    import torch
+
+    from ..tts import background_trainer_pays
+
+    if sync:
+        return False
+    if background_trainer_pays(device):
+        return True
+    logger.info("TTS: updates run inline at round boundaries: the decoder's %d threads use every core this process "
+                "has, and a background trainer would contend with them (--tts-sync is implied)",
+                torch.get_num_threads())
+    return False
+
+
 def tts_config(args) -> TTSConfig:
     """The run's :class:`~specadapt.tts.TTSConfig` from the ``--tts-*`` flags.
 
@@ -419,8 +438,8 @@ def build_engine(args, max_batch_size: int, ignore_eos: bool = False, error: typ
     if args.tts:
         from ..engine.tts_bridge import EngineTTS
 
-        tts = EngineTTS(draft, tts_config(args), sampling, asynchronous=not args.tts_sync,
-                        max_requests=max_batch_size)
+        tts = EngineTTS(draft, tts_config(args), sampling,
+                        asynchronous=tts_asynchronous(args.tts_sync, args.device), max_requests=max_batch_size)
     try:
         engine = SpeculativeEngine(
             target, draft, sampling, args.num_draft_tokens, args.verify, seed=args.seed,

@@ -15,7 +15,7 @@ from .lora import LoRALinear, LoRASlots, PerRequestLoRALinear, add_lora, add_per
 from .loss import position_weights, supervised_counts, tts_loss
 from .student import Student, distillation_loss
 from .topk import dense_rows, top_k_rows
-from .updater import TTSStats, TTSUpdater
+from .updater import TTSStats, TTSUpdater, background_trainer_pays
 
 __all__ = [
     "CollatedExamples",
@@ -29,6 +29,7 @@ __all__ = [
     "TTSUpdater",
     "add_lora",
     "add_per_request_lora",
+    "background_trainer_pays",
     "collate",
     "dense_rows",
     "distillation_loss",

@@ -95,7 +95,8 @@ def run_embedded(args, prompts) -> tuple[list[dict], float, dict, list[dict], fl
     if g.tts:
         from specadapt.engine.tts_bridge import EngineTTS
 
-        tts = EngineTTS(draft, eng.tts_config(g), sampling, asynchronous=not g.tts_sync, max_requests=g.batch_size)
+        tts = EngineTTS(draft, eng.tts_config(g), sampling, asynchronous=eng.tts_asynchronous(g.tts_sync, g.device),
+                        max_requests=g.batch_size)
     try:
         engine = SpeculativeEngine(
             target, draft, sampling, g.num_draft_tokens, g.verify, seed=g.seed, verify_impl=g.verify_impl,
