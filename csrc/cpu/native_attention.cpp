@@ -18,7 +18,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
