@@ -390,16 +390,18 @@ def test_tts_needs_a_model_draft(tiny_target):
     (2, 2, 1, "cuda", True),  # a side stream
     (1, 1, 1, "cuda:0", True),
 ])
-def test_background_trainer_runs_only_where_it_has_compute_of_its_own(monkeypatch, cores, threads, trainer, device,
-                                                                      pays):
+def test_background_trainer_runs_only_where_it_has_compute_of_its_own(tiny_target, monkeypatch, cores, threads,
+                                                                      trainer, device, pays):
     import os
 
-    from specadapt.cli.engine_args import tts_asynchronous
     from specadapt.tts import background_trainer_pays
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     assert background_trainer_pays(device, trainer_threads=trainer) is pays
-    if trainer == 1:
-        assert tts_asynchronous(False, device) is pays
-        assert tts_asynchronous(True, device) is False  # --tts-sync always runs inline
+    if trainer == 1 and device == "cpu":  # the engine's default decides the same way; an explicit choice wins
+        for asynchronous, want in ((None, pays), (True, True), (False, False)):
+            tts = EngineTTS(_tts_draft(tiny_target, "eagle", GREEDY), TTSConfig(stride=2), GREEDY,
+                            asynchronous=asynchronous)
+            assert tts.updater.asynchronous is want
+            tts.updater.close()

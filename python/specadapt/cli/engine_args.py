@@ -308,23 +308,6 @@ def _config_of(cls, args):
         raise UsageError(flag_message(exc, cls, "engine")) from None
 
 
-def tts_asynchronous(sync: bool, device: str) -> bool:
-    """Whether TTS updates run on a background thread / side stream: not with ``--tts-sync``, and on a CPU only
-    where the trainer has a core the decoder does not use (:func:`specadapt.tts.background_trainer_pays`)."""
-    import torch
-
-    from ..tts import background_trainer_pays
-
-    if sync:
-        return False
-    if background_trainer_pays(device):
-        return True
-    logger.info("TTS: updates run inline at round boundaries: the decoder's %d threads use every core this process "
-                "has, and a background trainer would contend with them (--tts-sync is implied)",
-                torch.get_num_threads())
-    return False
-
-
 def tts_config(args) -> TTSConfig:
     """The run's :class:`~specadapt.tts.TTSConfig` from the ``--tts-*`` flags.
 
@@ -438,8 +421,8 @@ def build_engine(args, max_batch_size: int, ignore_eos: bool = False, error: typ
     if args.tts:
         from ..engine.tts_bridge import EngineTTS
 
-        tts = EngineTTS(draft, tts_config(args), sampling,
-                        asynchronous=tts_asynchronous(args.tts_sync, args.device), max_requests=max_batch_size)
+        tts = EngineTTS(draft, tts_config(args), sampling, asynchronous=False if args.tts_sync else None,
+                        max_requests=max_batch_size)
     try:
         engine = SpeculativeEngine(
             target, draft, sampling, args.num_draft_tokens, args.verify, seed=args.seed,

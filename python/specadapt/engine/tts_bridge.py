@@ -27,6 +27,7 @@ from ..tts import (
     TTSUpdater,
     add_lora,
     add_per_request_lora,
+    background_trainer_pays,
     distillation_loss,
     position_weights,
     supervised_counts,
@@ -48,7 +49,9 @@ class EngineTTS:
             :class:`~specadapt.engine.eagle_draft.EagleDraft`).
         config: :class:`~specadapt.tts.TTSConfig`.
         sampling: the run's sampling settings (the student's temperature).
-        asynchronous: background-thread updates (default) or inline.
+        asynchronous: ``True`` background updates (a thread; a side stream on CUDA), ``False`` inline at round
+            boundaries; ``None`` (default) background only where the trainer has compute of its own
+            (:func:`specadapt.tts.background_trainer_pays`: CUDA, or a CPU with a core the decoder does not use).
         max_requests: concurrent requests (adapter slots of ``scope="request"``).
 
     Raises:
@@ -56,7 +59,8 @@ class EngineTTS:
     """
 
     def __init__(
-        self, draft, config: TTSConfig, sampling: SamplingParams, asynchronous: bool = True, max_requests: int = 1
+        self, draft, config: TTSConfig, sampling: SamplingParams, asynchronous: bool | None = None,
+        max_requests: int = 1,
     ) -> None:
         student = draft.tts_student()
         if student is None:
@@ -85,6 +89,12 @@ class EngineTTS:
 
         student.keep_context(config.context_window)
         self.vocab = student.draft_vocab
+        if asynchronous is None:
+            asynchronous = background_trainer_pays(next(module.parameters()).device)
+            if not asynchronous:
+                logger.info("TTS: updates run inline at round boundaries: the decoder's %d threads use every core "
+                            "this process has, and a background trainer would contend with them",
+                            torch.get_num_threads())
         self.updater = TTSUpdater(
             module, trainable, self._loss, config, share=student.shared(), asynchronous=asynchronous,
             example_bytes=lambda ex: ex.nbytes, on_publish=student.refresh,

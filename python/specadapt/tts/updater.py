@@ -126,6 +126,7 @@ class TTSUpdater:
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(device=self.device) if self._cuda else None
         self._event = None
+        self.asynchronous = asynchronous
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tts") if asynchronous else None
         self._future: Future | None = None
         self._buffer: list[Any] = []

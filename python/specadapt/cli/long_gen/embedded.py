@@ -95,7 +95,7 @@ def run_embedded(args, prompts) -> tuple[list[dict], float, dict, list[dict], fl
     if g.tts:
         from specadapt.engine.tts_bridge import EngineTTS
 
-        tts = EngineTTS(draft, eng.tts_config(g), sampling, asynchronous=eng.tts_asynchronous(g.tts_sync, g.device),
+        tts = EngineTTS(draft, eng.tts_config(g), sampling, asynchronous=False if g.tts_sync else None,
                         max_requests=g.batch_size)
     try:
         engine = SpeculativeEngine(
