@@ -179,6 +179,84 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
+// ---------------------------------------------------------------------- unit steps both vector paths share
+// Isa (Avx512, Avx2) supplies score<G, T>, the scores of one 16-key tile for G <= 3 queries, and rows<G, P, T>,
+// the probability-weighted sum of value rows over P vectors of kLanes dimensions for G <= 3 queries.
+
+// Step 1: scores [Q, width] of the unit's queries over its key tiles [t0, t1), 3 queries at a time per tile,
+// the tiles kTilesAhead ahead prefetched.
+template <class Isa, typename T>
+void score_unit(const Unit& u, const float* q, int64_t ldq, const T* k_layer, int64_t Hkv, int64_t C, int64_t D,
+                int64_t t0, int64_t t1, float* scores) {
+  const int64_t Q = static_cast<int64_t>(u.queries.size()), width = (t1 - t0) * kKeyTile;
+  const int64_t tile_bytes = D * kKeyTile * static_cast<int64_t>(sizeof(T));
+  for (int64_t t = t0; t < std::min(t1, t0 + kTilesAhead); ++t)
+    prefetch_bytes(key_tile(k_layer, u.slot, u.kvh, Hkv, C, D, t), tile_bytes);
+  for (int64_t t = t0; t < t1; ++t) {
+    if (t + kTilesAhead < t1) prefetch_bytes(key_tile(k_layer, u.slot, u.kvh, Hkv, C, D, t + kTilesAhead), tile_bytes);
+    const T* tile = key_tile(k_layer, u.slot, u.kvh, Hkv, C, D, t);
+    for (int64_t q0 = 0; q0 < Q; q0 += 3) {
+      const int count = static_cast<int>(std::min<int64_t>(3, Q - q0));
+      const float* qs[3];
+      float* outs[3];
+      for (int g = 0; g < count; ++g) {
+        qs[g] = q + u.queries[q0 + g].t * ldq + u.queries[q0 + g].h * D;
+        outs[g] = scores + (q0 + g) * width + (t - t0) * kKeyTile;
+      }
+      switch (count) {
+        case 1: Isa::template score<1, T>(tile, qs, D, outs); break;
+        case 2: Isa::template score<2, T>(tile, qs, D, outs); break;
+        default: Isa::template score<3, T>(tile, qs, D, outs);
+      }
+    }
+  }
+}
+
+// o[g][0 .. D) = sum over `count` rows of p[g][i] * row i, G <= 3 queries, in passes of up to 4 vectors.
+template <class Isa, int G, typename T>
+void accumulate_all(const T* rows, int64_t count, int64_t D, const float* const* p, float* const* o) {
+  constexpr int64_t kPass = 4 * Isa::kLanes;
+  for (int64_t d0 = 0; d0 < D; d0 += kPass) {
+    switch (std::min<int64_t>(kPass, D - d0) / Isa::kLanes) {
+      case 1: Isa::template rows<G, 1, T>(rows, count, D, d0, p, o); break;
+      case 2: Isa::template rows<G, 2, T>(rows, count, D, d0, p, o); break;
+      case 3: Isa::template rows<G, 3, T>(rows, count, D, d0, p, o); break;
+      default: Isa::template rows<G, 4, T>(rows, count, D, d0, p, o);
+    }
+  }
+}
+
+// Step 3: partial[qi] = [m, l, o] gets o = the unit's value rows weighted by its exp'd scores (step 2 wrote
+// m, l and the weights), 3 queries at a time; a query that sees nothing here (m = -inf) gets o = 0.
+template <class Isa, typename T>
+void values_unit(const Unit& u, const T* V, int64_t D, int64_t t0, int64_t width, const float* scores,
+                 float* partial) {
+  const int64_t Q = static_cast<int64_t>(u.queries.size());
+  const float* ps[3];
+  float* os[3];
+  int live = 0;
+  auto flush = [&]() {
+    switch (live) {
+      case 0: break;
+      case 1: accumulate_all<Isa, 1, T>(V + u.k0 * D, u.k1 - u.k0, D, ps, os); break;
+      case 2: accumulate_all<Isa, 2, T>(V + u.k0 * D, u.k1 - u.k0, D, ps, os); break;
+      default: accumulate_all<Isa, 3, T>(V + u.k0 * D, u.k1 - u.k0, D, ps, os);
+    }
+    live = 0;
+  };
+  for (int64_t qi = 0; qi < Q; ++qi) {
+    float* out = partial + qi * (D + 2);
+    if (out[0] == kNegInf) {
+      std::fill(out + 2, out + 2 + D, 0.f);
+      continue;
+    }
+    ps[live] = scores + qi * width + (u.k0 - t0 * kKeyTile);
+    os[live] = out + 2;
+    if (++live == 3) flush();
+  }
+  flush();
+}
+
 // scores of one 16-key tile (D rows of 16 keys, float32 or float16 read directly) for G <= 3 queries. Each query
 // has 4 accumulation chains (d mod 4), added in a fixed order, so its scores do not depend on G.
 template <int G, typename T>
@@ -229,18 +307,18 @@ SA_ATT512 void accumulate_rows_avx512(const T* rows, int64_t count, int64_t D, i
     for (int part = 0; part < P; ++part) _mm512_storeu_ps(o[g] + d0 + 16 * part, acc[g][part]);
 }
 
-template <int G, typename T>
-SA_ATT512 void accumulate_all_avx512(const T* rows, int64_t count, int64_t D, const float* const* p,
-                                     float* const* o) {
-  for (int64_t d0 = 0; d0 < D; d0 += 64) {
-    switch (std::min<int64_t>(64, D - d0) / 16) {
-      case 1: accumulate_rows_avx512<G, 1, T>(rows, count, D, d0, p, o); break;
-      case 2: accumulate_rows_avx512<G, 2, T>(rows, count, D, d0, p, o); break;
-      case 3: accumulate_rows_avx512<G, 3, T>(rows, count, D, d0, p, o); break;
-      default: accumulate_rows_avx512<G, 4, T>(rows, count, D, d0, p, o);
-    }
+// The AVX-512 kernels for the shared unit drivers (score_unit, values_unit).
+struct Avx512 {
+  static constexpr int64_t kLanes = 16;
+  template <int G, typename T>
+  static void score(const T* tile, const float* const* qv, int64_t D, float* const* out) {
+    score_tile_avx512<G, T>(tile, qv, D, out);
   }
-}
+  template <int G, int P, typename T>
+  static void rows(const T* r, int64_t count, int64_t D, int64_t d0, const float* const* p, float* const* o) {
+    accumulate_rows_avx512<G, P, T>(r, count, D, d0, p, o);
+  }
+};
 
 // Needs D % 16 == 0. Keys and values are read where they lie (float16 converted on load), queries in groups of
 // at most 3 (the query heads of one kv head at decode), the next tiles prefetched; values summed over the unit's
@@ -251,30 +329,8 @@ SA_ATT512 void unit_avx512(const Unit& u, const float* q, int64_t ldq, const T* 
   const int64_t Q = static_cast<int64_t>(u.queries.size());
   const int64_t t0 = u.k0 / kKeyTile, t1 = (u.k1 + kKeyTile - 1) / kKeyTile;
   const int64_t width = (t1 - t0) * kKeyTile;
-  const int64_t tile_bytes = D * kKeyTile * static_cast<int64_t>(sizeof(T));
   scores.resize(Q * width);
-  const T* V = v_layer + (u.slot * Hkv + u.kvh) * C * D;
-  // 1. scores, 3 queries at a time per tile
-  for (int64_t t = t0; t < std::min(t1, t0 + kTilesAhead); ++t)
-    prefetch_bytes(key_tile(k_layer, u.slot, u.kvh, Hkv, C, D, t), tile_bytes);
-  for (int64_t t = t0; t < t1; ++t) {
-    if (t + kTilesAhead < t1) prefetch_bytes(key_tile(k_layer, u.slot, u.kvh, Hkv, C, D, t + kTilesAhead), tile_bytes);
-    const T* tile = key_tile(k_layer, u.slot, u.kvh, Hkv, C, D, t);
-    for (int64_t q0 = 0; q0 < Q; q0 += 3) {
-      const int count = static_cast<int>(std::min<int64_t>(3, Q - q0));
-      const float* qs[3];
-      float* outs[3];
-      for (int g = 0; g < count; ++g) {
-        qs[g] = q + u.queries[q0 + g].t * ldq + u.queries[q0 + g].h * D;
-        outs[g] = scores.data() + (q0 + g) * width + (t - t0) * kKeyTile;
-      }
-      switch (count) {
-        case 1: score_tile_avx512<1, T>(tile, qs, D, outs); break;
-        case 2: score_tile_avx512<2, T>(tile, qs, D, outs); break;
-        default: score_tile_avx512<3, T>(tile, qs, D, outs);
-      }
-    }
-  }
+  score_unit<Avx512, T>(u, q, ldq, k_layer, Hkv, C, D, t0, t1, scores.data());  // 1. scores
   // 2. mask, max, exp, sum per query
   const __m512 vscale = _mm512_set1_ps(scale), neg = _mm512_set1_ps(kNegInf);
   for (int64_t qi = 0; qi < Q; ++qi) {
@@ -308,30 +364,7 @@ SA_ATT512 void unit_avx512(const Unit& u, const float* q, int64_t ldq, const T* 
     }
     out[1] = _mm512_reduce_add_ps(sum);
   }
-  // 3. values over the unit's rows, in key order, 3 queries at a time (queries that see nothing here are skipped)
-  const float* ps[3];
-  float* os[3];
-  int live = 0;
-  auto flush = [&]() {
-    switch (live) {
-      case 0: break;
-      case 1: accumulate_all_avx512<1, T>(V + u.k0 * D, u.k1 - u.k0, D, ps, os); break;
-      case 2: accumulate_all_avx512<2, T>(V + u.k0 * D, u.k1 - u.k0, D, ps, os); break;
-      default: accumulate_all_avx512<3, T>(V + u.k0 * D, u.k1 - u.k0, D, ps, os);
-    }
-    live = 0;
-  };
-  for (int64_t qi = 0; qi < Q; ++qi) {
-    float* out = partial + qi * (D + 2);
-    if (out[0] == kNegInf) {
-      std::fill(out + 2, out + 2 + D, 0.f);
-      continue;
-    }
-    ps[live] = scores.data() + qi * width + (u.k0 - t0 * kKeyTile);
-    os[live] = out + 2;
-    if (++live == 3) flush();
-  }
-  flush();
+  values_unit<Avx512, T>(u, v_layer + (u.slot * Hkv + u.kvh) * C * D, D, t0, width, scores.data(), partial);  // 3.
 }
 
 
@@ -447,17 +480,18 @@ SA_ATT2 void accumulate_rows_avx2(const T* rows, int64_t count, int64_t D, int64
     for (int part = 0; part < P; ++part) _mm256_storeu_ps(o[g] + d0 + 8 * part, acc[g][part]);
 }
 
-template <int G, typename T>
-SA_ATT2 void accumulate_all_avx2(const T* rows, int64_t count, int64_t D, const float* const* p, float* const* o) {
-  for (int64_t d0 = 0; d0 < D; d0 += 32) {
-    switch (std::min<int64_t>(32, D - d0) / 8) {
-      case 1: accumulate_rows_avx2<G, 1, T>(rows, count, D, d0, p, o); break;
-      case 2: accumulate_rows_avx2<G, 2, T>(rows, count, D, d0, p, o); break;
-      case 3: accumulate_rows_avx2<G, 3, T>(rows, count, D, d0, p, o); break;
-      default: accumulate_rows_avx2<G, 4, T>(rows, count, D, d0, p, o);
-    }
+// The AVX2 kernels for the shared unit drivers.
+struct Avx2 {
+  static constexpr int64_t kLanes = 8;
+  template <int G, typename T>
+  static void score(const T* tile, const float* const* qv, int64_t D, float* const* out) {
+    score_tile_avx2<G, T>(tile, qv, D, out);
   }
-}
+  template <int G, int P, typename T>
+  static void rows(const T* r, int64_t count, int64_t D, int64_t d0, const float* const* p, float* const* o) {
+    accumulate_rows_avx2<G, P, T>(r, count, D, d0, p, o);
+  }
+};
 
 // Needs D % 8 == 0. Keys and values are read where they lie (float16 converted on load), queries in groups of
 // at most 3 (the query heads of one kv head at decode), the next tiles prefetched.
@@ -467,30 +501,8 @@ SA_ATT2 void unit_avx2(const Unit& u, const float* q, int64_t ldq, const T* k_la
   const int64_t Q = static_cast<int64_t>(u.queries.size());
   const int64_t t0 = u.k0 / kKeyTile, t1 = (u.k1 + kKeyTile - 1) / kKeyTile;
   const int64_t width = (t1 - t0) * kKeyTile;
-  const int64_t tile_bytes = D * kKeyTile * static_cast<int64_t>(sizeof(T));
   scores.resize(Q * width);
-  const T* V = v_layer + (u.slot * Hkv + u.kvh) * C * D;
-  // 1. scores, 3 queries at a time per tile
-  for (int64_t t = t0; t < std::min(t1, t0 + kTilesAhead); ++t)
-    prefetch_bytes(key_tile(k_layer, u.slot, u.kvh, Hkv, C, D, t), tile_bytes);
-  for (int64_t t = t0; t < t1; ++t) {
-    if (t + kTilesAhead < t1) prefetch_bytes(key_tile(k_layer, u.slot, u.kvh, Hkv, C, D, t + kTilesAhead), tile_bytes);
-    const T* tile = key_tile(k_layer, u.slot, u.kvh, Hkv, C, D, t);
-    for (int64_t q0 = 0; q0 < Q; q0 += 3) {
-      const int count = static_cast<int>(std::min<int64_t>(3, Q - q0));
-      const float* qs[3];
-      float* outs[3];
-      for (int g = 0; g < count; ++g) {
-        qs[g] = q + u.queries[q0 + g].t * ldq + u.queries[q0 + g].h * D;
-        outs[g] = scores.data() + (q0 + g) * width + (t - t0) * kKeyTile;
-      }
-      switch (count) {
-        case 1: score_tile_avx2<1, T>(tile, qs, D, outs); break;
-        case 2: score_tile_avx2<2, T>(tile, qs, D, outs); break;
-        default: score_tile_avx2<3, T>(tile, qs, D, outs);
-      }
-    }
-  }
+  score_unit<Avx2, T>(u, q, ldq, k_layer, Hkv, C, D, t0, t1, scores.data());  // 1. scores
   // 2. mask, max, exp, sum per query
   const __m256 vscale = _mm256_set1_ps(scale), neg = _mm256_set1_ps(kNegInf);
   for (int64_t qi = 0; qi < Q; ++qi) {
@@ -527,30 +539,7 @@ SA_ATT2 void unit_avx2(const Unit& u, const float* q, int64_t ldq, const T* k_la
     }
     out[1] = hsum8(sum);
   }
-  // 3. values over the unit's rows, in key order, 3 queries at a time (queries that see nothing here are skipped)
-  const float* ps[3];
-  float* os[3];
-  int live = 0;
-  auto flush = [&]() {
-    switch (live) {
-      case 0: break;
-      case 1: accumulate_all_avx2<1, T>(V + u.k0 * D, u.k1 - u.k0, D, ps, os); break;
-      case 2: accumulate_all_avx2<2, T>(V + u.k0 * D, u.k1 - u.k0, D, ps, os); break;
-      default: accumulate_all_avx2<3, T>(V + u.k0 * D, u.k1 - u.k0, D, ps, os);
-    }
-    live = 0;
-  };
-  for (int64_t qi = 0; qi < Q; ++qi) {
-    float* out = partial + qi * (D + 2);
-    if (out[0] == kNegInf) {
-      std::fill(out + 2, out + 2 + D, 0.f);
-      continue;
-    }
-    ps[live] = scores.data() + qi * width + (u.k0 - t0 * kKeyTile);
-    os[live] = out + 2;
-    if (++live == 3) flush();
-  }
-  flush();
+  values_unit<Avx2, T>(u, v_layer + (u.slot * Hkv + u.kvh) * C * D, D, t0, width, scores.data(), partial);  // 3.
 }
 
 #endif  // SA_ATT_X86
