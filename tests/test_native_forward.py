@@ -98,6 +98,29 @@ def test_float32_logits_equal_transformers_through_chunks_rollbacks_and_selectio
     _close(ours.forward(ids, counts), hf.forward(ids, counts), counts)
 
 
+def test_logit_columns_give_each_rows_chosen_column_only(path):
+    """``logit_columns`` (an EAGLE catch-up's last real token per row) equals the full forward's logits at those
+    columns, zeros for a row with no column (-1) or a hole, and leaves the cache as the full forward does."""
+    model = tiny()
+    native = NativeLlama.from_hf(model, "float32")
+    full, picked = SlotKVCache(native, 3, capacity=32), SlotKVCache(native, 3, capacity=32)
+    ids, counts = _pad([[5, 6, 7, 8], [9], [10, 11]])
+    for cache in (full, picked):
+        cache.forward(ids, counts)
+    ids, counts = _pad([[1, 2, 3], [], [4, 5]])
+    want = full.forward(ids, counts)
+    columns = torch.tensor([2, -1, 1])
+    got = picked.forward(ids, counts, logit_columns=columns)
+    assert got.shape == (3, 1, want.shape[-1])
+    torch.testing.assert_close(got[[0, 2], 0], want[[0, 2], columns[[0, 2]]], atol=1e-5, rtol=0)
+    assert not got[1].any()
+    assert picked.lengths.tolist() == full.lengths.tolist() == [7, 1, 4]
+    ids, counts = _pad([[3], [4], [5]])  # the caches hold the same entries afterwards
+    torch.testing.assert_close(picked.forward(ids, counts), full.forward(ids, counts), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="logit_columns"):
+        picked.forward(ids, counts, logit_columns=torch.tensor([0, 0]))
+
+
 def test_hidden_states_capture_matches_transformers(path):
     model = tiny("llama", layers=3)
     native = NativeLlama.from_hf(model, "float32")

@@ -78,6 +78,27 @@ def test_zero_budget_turns_speculation_off_and_a_probe_turns_it_on(tiny_target, 
     assert len(forwards) > 0
 
 
+def test_the_first_round_is_a_probe_and_its_survivals_choose_the_budget(tiny_target):
+    """With no budget yet (a fresh engine), the first round drafts probe_depth = 1 per request, all verified;
+    a draft that is a copy of the target under a flat cost then speculates at full depth from round 2, a draft
+    that never pays (steep cost) switches speculation off from round 2. Greedy output equals target-only."""
+    L, n = 3, 16
+    expected = [naive_greedy(tiny_target.model, p, n) for p in PROMPTS]
+    for costs, second in ((FLAT, L), (STEEP, 0)):
+        av = _av(L, costs)
+        assert av.stale_budget is None
+        draft = ModelDraft(self_draft(tiny_target, 2), GREEDY, 0, "self:2")
+        results = SpeculativeEngine(tiny_target, draft, GREEDY, L, "chain", adaptive=av).generate(
+            PROMPTS, n, batch_size=4)
+        assert [r.output_ids for r in results] == expected
+        assert av.probe_rounds >= 1
+        for res in results:
+            if res is results[1]:  # a one-token prompt: the draft has no context in round 1
+                continue
+            assert res.rounds[0].num_drafted == 1, [r.num_drafted for r in res.rounds]
+            assert res.rounds[1].num_drafted == second, [r.num_drafted for r in res.rounds]
+
+
 def test_deferred_catch_up_runs_no_draft_forward_while_off(tiny_target):
     L = 3
     av = _av(L, STEEP, probe_interval=64, probe_interval_max=64)
@@ -99,12 +120,12 @@ def test_probes_back_off_while_speculation_does_not_pay(tiny_target):
     engine = SpeculativeEngine(tiny_target, draft, GREEDY, L, "chain", adaptive=av)
     res = engine.generate([PROMPTS[0]], 60)[0]
     drafted = [r.num_drafted for r in res.rounds]
-    assert drafted[0] == L  # no budget yet: the first round verifies everything
+    assert drafted[0] == 1  # no budget yet: the opening probe drafts probe_depth = 1, not L = 3
     probes = [i for i, d in enumerate(drafted) if i > 0 and d > 0]
-    # off 2, probe, off 4, probe, off 8, probe, off 8, probe ...
+    # the opening probe does not double the wait: off 2, probe, off 4, probe, off 8, probe, off 8, probe ...
     assert probes[:4] == [3, 8, 17, 26], drafted
     assert all(drafted[i] == 1 for i in probes)
-    assert av.probe_rounds == len(probes)
+    assert av.probe_rounds == len(probes) + 1
 
 
 def test_speculation_off_and_probes_follow_the_target_law():

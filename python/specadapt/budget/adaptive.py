@@ -24,7 +24,8 @@ off: after ``probe_interval`` rounds off, one round drafts ``probe_depth`` token
 unpruned; its survivals (position 1 known, extrapolated to L) choose the next ``B*`` as in any round. A probe that
 leaves ``B* = 0`` doubles the wait before the next one, up to ``probe_interval_max`` (so a batch where speculation
 never pays spends at most about one round in ``probe_interval_max`` probing); a probe that turns speculation on
-resets it. Whether a round is off or a probe depends only on earlier rounds, never on this round's drafted tokens
+resets it. The first round of an engine (no ``B*`` yet) is a probe too (the opening probe: it does not double the
+wait). Whether a round is off or a probe depends only on earlier rounds, never on this round's drafted tokens
 (the exactness condition above).
 """
 
@@ -65,7 +66,9 @@ class AdaptiveVerification:
             (the SGLang plugin, whose draft graph always runs).
 
     Attributes:
-        stale_budget: B* chosen from the previous round (``None`` before the first round: verify everything).
+        stale_budget: B* chosen from the previous round (``None`` before the first round: under
+            ``speculation="auto"`` the first round is a probe, drafting ``probe_depth`` per request, all
+            verified; otherwise it verifies every draft).
         pruned, verified: counters of draft tokens pruned / verified so far.
         rounds_off, probe_rounds: counters of rounds with speculation off / probe rounds so far.
         cost_samples: ``(table_ms, measured_ms, calibrated_ms)`` of recent rounds (:meth:`record_round_time`; at
@@ -115,6 +118,7 @@ class AdaptiveVerification:
         self._probe_wait = self.config.probe_interval
         self._predicted_off = False
         self._learn_round = True
+        self._opening_probe = False
 
     @classmethod
     def from_config(cls, num_positions: int, costs: CostTable, config: AVConfig | None = None,
@@ -139,11 +143,22 @@ class AdaptiveVerification:
 
         Returns:
             ``None`` (no limit: speculation on), ``0`` (speculation off: no request drafts, no draft work at
-            all) or ``probe_depth`` (a probe round: every request drafts that many, all verified). See the module
+            all) or ``probe_depth`` (a probe round: every request drafts that many, all verified; also the first
+            round under ``speculation="auto"``, which has no survival to choose a budget from). See the module
             docstring; the answer depends on earlier rounds only.
         """
         self._probing = False
         self._round_limit = None
+        if self.stale_budget is None and self.speculation == "auto" and self.prune:
+            # the opening probe: no survival is known yet, so the first round drafts probe_depth per request
+            # instead of all L (verifying everything up front cost 10x a plain step at batch 8 on the shipped
+            # head); its survivals choose the first B* as any probe's do
+            self._off_streak = 0
+            self._probing = True
+            self.probe_rounds += 1
+            self._opening_probe = True
+            self._round_limit = self.config.probe_depth
+            return self._round_limit
         if not self.speculation_off:
             self._off_streak = 0
             return None
@@ -266,11 +281,11 @@ class AdaptiveVerification:
         self.stale_budget = choose_budget(surv, self.costs, draft_steps=steps,
                                           zero_is_off=self.speculation == "auto", overhead_ms=self._overhead("on"),
                                           overhead_off_ms=self._overhead("off"))
-        if probing and self.stale_budget == 0:
+        if probing and self.stale_budget == 0 and not self._opening_probe:
             self._probe_wait = min(2 * self._probe_wait, self.config.probe_interval_max)
         elif self._round_limit is None:
             self._probe_wait = self.config.probe_interval  # speculation ran: a later switch-off probes early again
-        self._probing = False
+        self._probing = self._opening_probe = False
         self._round_limit = None
         self.pruned += int((num_drafts - num_verify).sum())
         self.verified += int(num_verify.sum())

@@ -18,6 +18,7 @@ from .drafts import (Draft, DraftProposal, _step_history, apply_draft_filter, dr
                      pad_token_lists, trim_proposal)
 from .eagle import EagleHead
 from .kv import RaggedKVCache
+from .pending import PendingFeatures
 
 __all__ = ["EagleDraft"]
 
@@ -51,8 +52,7 @@ class EagleDraft(Draft):
         self.window = window
         self.record_context = False  # set by tts_student(): keep the recent pairs TTS trains on
         self.kv: RaggedKVCache | None = None
-        self._pending: torch.Tensor | None = None  # [B, m, 3h] features not yet fed
-        self._pending_counts: torch.Tensor | None = None  # [B]
+        self._pending: PendingFeatures | None = None  # target features not fed to the head yet, per row
         self._round_features: torch.Tensor | None = None
         self._awaiting_prefill = False
         self._prompt_pairs: torch.Tensor | None = None
@@ -76,7 +76,6 @@ class EagleDraft(Draft):
         self._awaiting_prefill = True
         self._prompt_pairs = torch.tensor([len(h) - 1 for h in histories], dtype=torch.int64)
         self._pending = None
-        self._pending_counts = torch.zeros(batch, dtype=torch.int64)
         self._fed_before = None
         self._paths = 1
         hidden3 = 3 * self.head.hidden_size
@@ -89,8 +88,8 @@ class EagleDraft(Draft):
         features = features.detach()
         if self._awaiting_prefill:
             self._awaiting_prefill = False
-            self._pending = features
-            self._pending_counts = self._prompt_pairs.clone()
+            self._pending = PendingFeatures(features.shape[-1], features.dtype, features.device)
+            self._pending.add_rows(features, self._prompt_pairs)
         else:
             self._round_features = features
 
@@ -99,9 +98,11 @@ class EagleDraft(Draft):
         catch-up is deferred to a later round, one chunk then); return ``(g [B, h], logits [B, Vd], has_context
         [B] bool)`` (meaningful for the fed rows)."""
         batch = len(histories)
-        pending = self._pending_counts if self._pending_counts is not None else torch.zeros(batch, dtype=torch.int64)
         fed = torch.ones(batch, dtype=torch.bool) if rows is None else rows.cpu().to(torch.bool)
-        counts = torch.where(fed, pending, torch.zeros_like(pending))
+        if self._pending is None:
+            feats, counts = None, torch.zeros(batch, dtype=torch.int64)
+        else:
+            feats, counts = self._pending.take(fed)
         width = int(counts.max()) if batch else 0
         hidden = self.head.hidden_size
         if width == 0:
@@ -112,19 +113,21 @@ class EagleDraft(Draft):
             return torch.zeros(batch, hidden, dtype=dtype), torch.zeros(batch, self.head.draft_vocab.numel()), has
         ids, _ = pad_token_lists([h[len(h) - int(c) :] if c else []
                                   for h, c in zip(histories, counts.tolist())])  # [B, width]
-        feats = self._pending[:, :width]
-        out = self.kv.forward(ids, counts, return_outputs=True, features=feats)
         last = (counts - 1).clamp_min(0)
         index = torch.arange(batch)
+        if self.native is not None:  # logits of each row's last fed pair only (the rest are never read)
+            out = self.kv.forward(ids, counts, return_outputs=True, features=feats,
+                                  logit_columns=torch.where(counts > 0, last, torch.full_like(last, -1)))
+            logits = out.logits[:, 0]
+        else:
+            out = self.kv.forward(ids, counts, return_outputs=True, features=feats)
+            logits = out.logits[index, last]
         for r in range(batch if self.record_context else 0):
             c = int(counts[r])
             if c:
                 self.recent_features[r] = torch.cat([self.recent_features[r], feats[r, :c].float().cpu()])[-self.window :]
                 self.recent_tokens[r] = torch.cat([self.recent_tokens[r], ids[r, :c]])[-self.window :]
-        left = pending - counts  # deferred rows keep their pairs, at the front of the buffer
-        self._pending = None if not bool(left.any()) else self._pending
-        self._pending_counts = left
-        return out.hidden[index, last], out.logits[index, last].float(), self.kv.lengths.cpu() > 0
+        return out.hidden[index, last], logits.float(), self.kv.lengths.cpu() > 0
 
     def _sample(self, logits: torch.Tensor, coins: torch.Tensor, history=None):
         """Sample ``n`` tokens per row of the head's logits ``[R, Vd]`` (over ``head.draft_vocab``) with
@@ -222,32 +225,8 @@ class EagleDraft(Draft):
         self._fed_before = None
         if self._round_features is None:
             raise RuntimeError("EAGLE draft: the loop did not pass the round's target features (observe_target)")
-        counts = accept_len.to(torch.int64) + 1
-        self._append_pending(self._round_features, counts)
+        self._pending.append(self._round_features, accept_len.to(torch.int64) + 1)
         self._round_features = None
-
-    def _append_pending(self, features: torch.Tensor, counts: torch.Tensor) -> None:
-        """Append the first ``counts[r]`` of ``features [B, n, 3h]`` to row ``r``'s pending pairs (after the pairs
-        a deferred catch-up left there); the buffer grows by doubling, so rounds of deferral cost O(1) each."""
-        old_counts = self._pending_counts
-        if self._pending is None or old_counts is None or not bool(old_counts.any()):
-            self._pending = features[:, : int(counts.max())]
-            self._pending_counts = counts
-            return
-        total = old_counts + counts
-        buffer = self._pending
-        need = int(total.max())
-        if need > buffer.shape[1]:
-            grown = buffer.new_zeros(buffer.shape[0], max(need, 2 * buffer.shape[1]), buffer.shape[2])
-            grown[:, : buffer.shape[1]] = buffer
-            buffer = grown
-        width = int(counts.max())
-        offsets = torch.arange(width)
-        new = offsets[None, :] < counts[:, None]  # [B, width]: the pairs this round adds
-        row_index = torch.arange(buffer.shape[0])[:, None].expand_as(new)
-        buffer[row_index[new], (old_counts[:, None] + offsets[None, :])[new]] = features[:, :width][new].to(buffer.dtype)
-        self._pending = buffer
-        self._pending_counts = total
 
     def select(self, rows):
         if self.kv is not None:
@@ -256,9 +235,7 @@ class EagleDraft(Draft):
         if self.row_seeds is not None:
             self.row_seeds = self.row_seeds.index_select(0, rows_cpu)
         if self._pending is not None:
-            self._pending = self._pending.index_select(0, rows.to(self._pending.device))
-        if self._pending_counts is not None:
-            self._pending_counts = self._pending_counts.index_select(0, rows_cpu)
+            self._pending.select(rows_cpu)
         if self._fed_before is not None:
             self._fed_before = self._fed_before.index_select(0, rows_cpu)
         keep = rows_cpu.tolist()
@@ -273,22 +250,11 @@ class EagleDraft(Draft):
             return
         self.kv.add_rows(count)
         new_counts = torch.tensor([len(h) - 1 for h in histories], dtype=torch.int64)
-        old = self._pending
-        old_counts = self._pending_counts if self._pending_counts is not None else torch.zeros(0, dtype=torch.int64)
-        width = max(int(old_counts.max()) if old_counts.numel() else 0, int(new_counts.max()))
         hidden3 = 3 * self.head.hidden_size
-        ref = features if features is not None else old
-        dtype = ref.dtype if ref is not None else torch.float32
-        device = ref.device if ref is not None else "cpu"
-        pending = torch.zeros(old_counts.numel() + count, width, hidden3, dtype=dtype, device=device)
-        if old is not None and old_counts.numel():
-            w = min(width, old.shape[1])
-            pending[: old_counts.numel(), :w] = old[:, :w].to(dtype)
-        if features is not None and features.shape[1]:
-            w = min(width, features.shape[1])
-            pending[old_counts.numel():, :w] = features[:, :w].detach().to(device, dtype)
-        self._pending = pending
-        self._pending_counts = torch.cat([old_counts, new_counts])
+        if self._pending is None:
+            self._pending = PendingFeatures(hidden3, torch.float32 if features is None else features.dtype,
+                                            "cpu" if features is None else features.device)
+        self._pending.add_rows(features, new_counts)
         self.recent_features += [torch.zeros(0, hidden3) for _ in range(count)]
         self.recent_tokens += [torch.zeros(0, dtype=torch.int64) for _ in range(count)]
 

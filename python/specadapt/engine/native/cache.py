@@ -102,7 +102,7 @@ class SlotKVCache:
     def forward(self, input_ids: torch.Tensor, num_valid: torch.Tensor, logits_to_keep: int = 0,
                 chunk_mask: torch.Tensor | None = None, chunk_positions: torch.Tensor | None = None,
                 return_outputs: bool = False, output_hidden_states: bool = False, features: torch.Tensor | None = None,
-                **unused):
+                logit_columns: torch.Tensor | None = None, **unused):
         """Append one ragged chunk and run it (the contract of :meth:`RaggedKVCache.forward`).
 
         Args:
@@ -115,9 +115,12 @@ class SlotKVCache:
             output_hidden_states: fill ``hidden_states`` (a tuple indexed like transformers', ``None`` where
                 not captured), each ``[B, n, h]``.
             features: ``[B, n, F]`` per-token inputs of an EAGLE head (target features or its own outputs).
+            logit_columns: optional ``[B] int64``: the one column of each row whose logits are computed (e.g. a
+                ragged catch-up's last real token, ``num_valid[r] - 1``); a row whose column is a hole or
+                negative gets zeros. Overrides ``logits_to_keep``; the logits are then ``[B, 1, V]``.
 
         Returns:
-            ``[B, n or k, V] float32`` logits (zeros in holes), or the output object.
+            ``[B, n or k or 1, V] float32`` logits (zeros in holes), or the output object.
 
         Raises:
             ValueError: shapes that do not match the cache, ``num_valid`` outside ``[0, n]``, a tree wider than
@@ -156,7 +159,13 @@ class SlotKVCache:
             ids=input_ids.to("cpu", torch.int64)[rows_idx, cols_idx].to(dev),
             slot=self.row_slot.index_select(0, rows_idx).to(dev), index=index.to(dev), position=position.to(dev),
             visible=visible.to(dev), tree_base=tree_base.to(dev), tree_mask=tree_mask.to(dev))
-        if logits_to_keep:
+        if logit_columns is not None:
+            wanted = logit_columns.to("cpu", torch.int64)
+            if wanted.shape != (batch,):
+                raise ValueError(f"logit_columns must have shape [{batch}], got {tuple(wanted.shape)}")
+            logit_rows = (cols_idx == wanted.index_select(0, rows_idx)).nonzero().squeeze(1)
+            keep_cols, out_width = None, 1
+        elif logits_to_keep:
             keep_cols = width - int(logits_to_keep)
             logit_rows = (cols_idx >= keep_cols).nonzero().squeeze(1)
             out_width = int(logits_to_keep)
@@ -183,7 +192,12 @@ class SlotKVCache:
         else:
             logits = out.logits.new_zeros(batch, out_width, vocab)
             sel_rows = rows_idx if logit_rows is None else rows_idx.index_select(0, logit_rows)
-            sel_cols = cols_idx if logit_rows is None else cols_idx.index_select(0, logit_rows) - keep_cols
+            if logit_rows is None:
+                sel_cols = cols_idx
+            elif keep_cols is None:  # logit_columns: one output column per row
+                sel_cols = torch.zeros(logit_rows.numel(), dtype=torch.int64)
+            else:
+                sel_cols = cols_idx.index_select(0, logit_rows) - keep_cols
             if sel_rows.numel():
                 logits[sel_rows.to(dev), sel_cols.to(dev)] = out.logits
         if not return_outputs:

@@ -1,0 +1,103 @@
+"""The EAGLE head's deferred catch-up queues (engine/pending.py) against a per-row list model: any sequence of
+appends (equal and ragged counts), partial takes, finished rows and joined rows returns every row's features in
+commit order, each exactly once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specadapt.engine.pending import PendingFeatures
+
+F = 3
+
+
+def _check(store: PendingFeatures, model: list[list[torch.Tensor]]) -> None:
+    assert store.counts.tolist() == [len(q) for q in model]
+
+
+op = st.one_of(
+    st.tuples(st.just("append"), st.lists(st.integers(0, 4), min_size=1, max_size=1), st.booleans()),
+    st.tuples(st.just("take"), st.integers(0, 2**16), st.booleans()),
+    st.tuples(st.just("select"), st.integers(0, 2**16), st.booleans()),
+    st.tuples(st.just("join"), st.lists(st.integers(0, 5), min_size=1, max_size=3), st.booleans()),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(initial=st.lists(st.integers(0, 6), min_size=1, max_size=4), ops=st.lists(op, max_size=25))
+def test_queues_match_a_per_row_list_model(initial, ops):
+    counter = [0.0]
+
+    def fresh(n_rows: int, width: int) -> torch.Tensor:  # distinct values, so any mix-up shows
+        n = n_rows * max(width, 1) * F
+        values = torch.arange(counter[0], counter[0] + n).reshape(n_rows, max(width, 1), F)
+        counter[0] += n
+        return values
+
+    store = PendingFeatures(F)
+    counts = torch.tensor(initial)
+    feats = fresh(len(initial), max(initial))
+    store.add_rows(feats, counts)
+    model = [[feats[r, j] for j in range(c)] for r, c in enumerate(initial)]
+    _check(store, model)
+    for kind, arg, flag in ops:
+        batch = len(model)
+        if kind == "append" and batch:
+            # equal counts (the fast path) or ragged ones
+            c = torch.full((batch,), arg[0]) if flag else torch.randint(0, 4, (batch,), generator=torch.Generator().manual_seed(arg[0]))
+            width = int(c.max())
+            f = fresh(batch, width)
+            store.append(f, c)
+            for r in range(batch):
+                model[r] += [f[r, j] for j in range(int(c[r]))]
+        elif kind == "take" and batch:
+            rows = torch.tensor([(arg >> r) & 1 == 1 or flag for r in range(batch)])
+            got, taken = store.take(rows)
+            for r in range(batch):
+                want = model[r] if rows[r] else []
+                assert int(taken[r]) == len(want)
+                for j, v in enumerate(want):
+                    assert torch.equal(got[r, j], v)
+                if rows[r]:
+                    model[r] = []
+        elif kind == "select" and batch:
+            keep = [r for r in range(batch) if (arg >> r) & 1 == 1]
+            if flag:
+                keep = keep[::-1]
+            store.select(torch.tensor(keep, dtype=torch.int64))
+            model = [model[r] for r in keep]
+        elif kind == "join":
+            c = torch.tensor(arg)
+            f = fresh(len(arg), max(arg))
+            store.add_rows(f if max(arg) else None, c)
+            model += [[f[r, j] for j in range(n)] for r, n in enumerate(arg)]
+        _check(store, model)
+    got, taken = store.take(torch.ones(len(model), dtype=torch.bool))
+    for r, queue in enumerate(model):
+        assert int(taken[r]) == len(queue)
+        for j, v in enumerate(queue):
+            assert torch.equal(got[r, j], v)
+    assert not store.counts.any()
+
+
+def test_finished_rows_free_their_slots_for_joined_rows():
+    store = PendingFeatures(F)
+    store.add_rows(torch.ones(4, 2, F), torch.full((4,), 2))
+    slots = store._store.shape[0]
+    store.select(torch.tensor([3, 1]))
+    store.add_rows(torch.zeros(2, 1, F), torch.ones(2, dtype=torch.int64))
+    assert store._store.shape[0] == slots  # the two freed slots were reused, nothing grew
+    got, taken = store.take(torch.ones(4, dtype=torch.bool))
+    assert taken.tolist() == [2, 2, 1, 1]
+    assert got[:2, :2].eq(1).all() and got[2:, :1].eq(0).all()
+
+
+def test_bad_shapes_are_refused_by_name():
+    store = PendingFeatures(F)
+    with pytest.raises(ValueError, match="features"):
+        store.add_rows(torch.zeros(2, 1, F), torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="features"):
+        store.add_rows(torch.zeros(1, 2, F + 1), torch.tensor([2]))
