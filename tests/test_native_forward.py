@@ -99,8 +99,9 @@ def test_float32_logits_equal_transformers_through_chunks_rollbacks_and_selectio
 
 
 def test_logit_columns_give_each_rows_chosen_column_only(path):
-    """``logit_columns`` (an EAGLE catch-up's last real token per row) equals the full forward's logits at those
-    columns, zeros for a row with no column (-1) or a hole, and leaves the cache as the full forward does."""
+    """``logit_columns`` (an EAGLE catch-up's last real token per row) equals the full forward's logits and hidden
+    states at those columns, zeros for a row with no column (-1) or a hole, and leaves every layer's cache as the
+    full forward does (the last layer runs past its cache writes for the chosen tokens only)."""
     model = tiny()
     native = NativeLlama.from_hf(model, "float32")
     full, picked = SlotKVCache(native, 3, capacity=32), SlotKVCache(native, 3, capacity=32)
@@ -108,12 +109,14 @@ def test_logit_columns_give_each_rows_chosen_column_only(path):
     for cache in (full, picked):
         cache.forward(ids, counts)
     ids, counts = _pad([[1, 2, 3], [], [4, 5]])
-    want = full.forward(ids, counts)
+    want = full.forward(ids, counts, return_outputs=True)
     columns = torch.tensor([2, -1, 1])
-    got = picked.forward(ids, counts, logit_columns=columns)
-    assert got.shape == (3, 1, want.shape[-1])
-    torch.testing.assert_close(got[[0, 2], 0], want[[0, 2], columns[[0, 2]]], atol=1e-5, rtol=0)
-    assert not got[1].any()
+    got = picked.forward(ids, counts, logit_columns=columns, return_outputs=True)
+    assert got.logits.shape == (3, 1, want.logits.shape[-1]) and got.hidden.shape == (3, 1, 64)
+    # the last layer ran for the chosen tokens only: same logits and hidden state there
+    torch.testing.assert_close(got.logits[[0, 2], 0], want.logits[[0, 2], columns[[0, 2]]], atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.hidden[[0, 2], 0], want.hidden[[0, 2], columns[[0, 2]]], atol=1e-5, rtol=0)
+    assert not got.logits[1].any() and not got.hidden[1].any()
     assert picked.lengths.tolist() == full.lengths.tolist() == [7, 1, 4]
     ids, counts = _pad([[3], [4], [5]])  # the caches hold the same entries afterwards
     torch.testing.assert_close(picked.forward(ids, counts), full.forward(ids, counts), atol=0, rtol=0)

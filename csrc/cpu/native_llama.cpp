@@ -148,7 +148,7 @@ std::vector<at::Tensor> native_llama_forward_cpu(
     const at::Tensor& slot, const at::Tensor& index, const at::Tensor& position, const at::Tensor& visible,
     const at::Tensor& tree_base, const at::Tensor& tree_mask, const at::Tensor& rope_cos, const at::Tensor& rope_sin,
     at::IntArrayRef capture, double eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t intermediate, double attn_scale) {
+    int64_t intermediate, double attn_scale, const c10::optional<at::Tensor>& out_rows) {
   TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 2, "hidden must be [N, h] float32, got ",
               hidden.sizes(), " ", hidden.scalar_type());
   const int64_t N = hidden.size(0), hid = hidden.size(1);
@@ -211,6 +211,31 @@ std::vector<at::Tensor> native_llama_forward_cpu(
   }
   const float* fnorm = float_ptr(final_norm, hid, "final_norm");
   for (int64_t c : capture) TORCH_CHECK(c >= 0 && c < L, "capture layer ", c, " outside [0, ", L, ")");
+  // out_rows: the tokens whose outputs are read. Every token's keys / values are still written in every layer,
+  // but the last layer's attention, o_proj and MLP run for these rows only (the others' outputs would be
+  // dropped), and x / normed come back as [M, h] in out_rows order.
+  std::vector<int64_t> outs;
+  if (out_rows.has_value()) {
+    const at::Tensor& r = *out_rows;
+    TORCH_CHECK(r.scalar_type() == at::kLong && r.dim() == 1 && r.is_contiguous(), "out_rows must be int64 [M]");
+    TORCH_CHECK(L > 0, "out_rows needs at least one layer");
+    const int64_t* rp = r.data_ptr<int64_t>();
+    for (int64_t i = 0; i < r.size(0); ++i) {
+      TORCH_CHECK(rp[i] >= 0 && rp[i] < N, "out_rows entry ", rp[i], " outside [0, ", N, ")");
+      TORCH_CHECK(i == 0 || rp[i] > rp[i - 1], "out_rows must be strictly increasing");
+      outs.push_back(rp[i]);
+    }
+  }
+  const bool compact = out_rows.has_value();
+  const int64_t M = compact ? static_cast<int64_t>(outs.size()) : N;
+  const int64_t m_meta = compact ? M : 0;
+  std::vector<int64_t> c_slot(m_meta), c_index(m_meta), c_visible(m_meta), c_base(m_meta), c_mask(m_meta);
+  for (int64_t i = 0; compact && i < M; ++i) {
+    const int64_t t = outs[i];
+    c_slot[i] = meta.slot[t], c_index[i] = meta.index[t], c_visible[i] = meta.visible[t];
+    c_base[i] = meta.tree_base[t], c_mask[i] = meta.tree_mask[t];
+  }
+  const AttentionMeta meta_out{c_slot.data(), c_index.data(), c_visible.data(), c_base.data(), c_mask.data()};
 
   at::Tensor x = hidden.contiguous().clone();
   float* xp = x.data_ptr<float>();
@@ -246,25 +271,40 @@ std::vector<at::Tensor> native_llama_forward_cpu(
       write_kv(row + H * D, row + (H + Hkv) * D, meta, t, Hkv, C, D, kc_l, vc_l, half_cache);
     }
     timer.lap(kNorms);
-    attention(qkv.data(), qkv_rows, kc_l, vc_l, meta, N, H, Hkv, C, D, scale, attn.data(), half_cache);
+    int64_t n = N;
+    const AttentionMeta* lm = &meta;
+    if (compact && l == L - 1) {  // the last layer past the cache writes: the read rows only, packed in order
+      at::Tensor xc = at::empty({M, hid}, x.options());
+      float* xcp = xc.data_ptr<float>();
+      for (int64_t i = 0; i < M; ++i) {
+        const int64_t t = outs[i];
+        std::copy(qkv.data() + t * qkv_rows, qkv.data() + (t + 1) * qkv_rows, qkv.data() + i * qkv_rows);
+        std::copy(xp + t * hid, xp + (t + 1) * hid, xcp + i * hid);
+      }
+      x = xc;
+      xp = xcp;
+      n = M;
+      lm = &meta_out;
+    }
+    attention(qkv.data(), qkv_rows, kc_l, vc_l, *lm, n, H, Hkv, C, D, scale, attn.data(), half_cache);
     timer.lap(kAttention);
-    ly.o(attn.data(), N, proj.data());
+    ly.o(attn.data(), n, proj.data());
     timer.lap(kOut);
-    for (int64_t i = 0; i < N * hid; ++i) xp[i] += proj[i];
-    rms_norm_rows(xp, ly.norm2, N, hid, hid, hid, eps, h.data());
+    for (int64_t i = 0; i < n * hid; ++i) xp[i] += proj[i];
+    rms_norm_rows(xp, ly.norm2, n, hid, hid, hid, eps, h.data());
     timer.lap(kNorms);
-    ly.gate_up(h.data(), N, gu.data());
+    ly.gate_up(h.data(), n, gu.data());
     timer.lap(kGateUp);
-    for (int64_t t = 0; t < N; ++t) silu_mul(gu.data() + t * 2 * I, I, act.data() + t * I);
+    for (int64_t t = 0; t < n; ++t) silu_mul(gu.data() + t * 2 * I, I, act.data() + t * I);
     timer.lap(kActivation);
-    ly.down(act.data(), N, proj.data());
+    ly.down(act.data(), n, proj.data());
     timer.lap(kDown);
-    for (int64_t i = 0; i < N * hid; ++i) xp[i] += proj[i];
+    for (int64_t i = 0; i < n * hid; ++i) xp[i] += proj[i];
   }
   std::vector<at::Tensor> outputs{x};
   if (fnorm) {
     at::Tensor normed = at::empty_like(x);
-    rms_norm_rows(xp, fnorm, N, hid, hid, hid, eps, normed.data_ptr<float>());
+    rms_norm_rows(xp, fnorm, x.size(0), hid, hid, hid, eps, normed.data_ptr<float>());
     outputs.push_back(normed);
   }
   for (auto& c : captured) outputs.push_back(c);
@@ -289,12 +329,13 @@ TORCH_LIBRARY_FRAGMENT(specadapt, m) {
   // weights: 17 optional tensors per layer (qkv, o, gate_up, down as data / scales / mins; input and
   // post-attention norms; q_norm, k_norm, qkv_bias); formats: 4 per layer; k_cache / v_cache
   // [layers, slots, kv_heads, capacity, head_dim] float32 or float16 (written at index[t]); token metadata [N] int64;
-  // rope_cos / rope_sin [P, head_dim]. Returns [x after the last layer, final_norm(x) when given, the input of
-  // each layer in `capture`].
+  // rope_cos / rope_sin [P, head_dim]; out_rows [M] int64: compute the last layer past its cache writes for these
+  // tokens only. Returns [x after the last layer ([N, h], or [M, h] in out_rows order), final_norm(x) when given,
+  // the input of each layer in `capture`].
   m.def("native_llama_forward(Tensor hidden, Tensor?[] weights, int[] formats, Tensor? final_norm, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot, Tensor index, Tensor position, Tensor visible, Tensor tree_base, "
         "Tensor tree_mask, Tensor rope_cos, Tensor rope_sin, int[] capture, float eps, int num_heads, "
-        "int num_kv_heads, int head_dim, int intermediate, float attn_scale) -> Tensor[]");
+        "int num_kv_heads, int head_dim, int intermediate, float attn_scale, Tensor? out_rows=None) -> Tensor[]");
   // Per-phase seconds of native_llama_forward since profiling was switched on (and reset):
   // [norms / rope / cache writes, qkv, attention, o_proj, gate_up, activation, down_proj].
   m.def("native_set_profiling(bool on) -> ()", &specadapt::cpu::native::native_set_profiling);

@@ -118,16 +118,16 @@ class EagleDraft(Draft):
         if self.native is not None:  # logits of each row's last fed pair only (the rest are never read)
             out = self.kv.forward(ids, counts, return_outputs=True, features=feats,
                                   logit_columns=torch.where(counts > 0, last, torch.full_like(last, -1)))
-            logits = out.logits[:, 0]
+            logits, hidden = out.logits[:, 0], out.hidden[:, 0]
         else:
             out = self.kv.forward(ids, counts, return_outputs=True, features=feats)
-            logits = out.logits[index, last]
+            logits, hidden = out.logits[index, last], out.hidden[index, last]
         for r in range(batch if self.record_context else 0):
             c = int(counts[r])
             if c:
                 self.recent_features[r] = torch.cat([self.recent_features[r], feats[r, :c].float().cpu()])[-self.window :]
                 self.recent_tokens[r] = torch.cat([self.recent_tokens[r], ids[r, :c]])[-self.window :]
-        return out.hidden[index, last], logits.float(), self.kv.lengths.cpu() > 0
+        return hidden, logits.float(), self.kv.lengths.cpu() > 0
 
     def _sample(self, logits: torch.Tensor, coins: torch.Tensor, history=None):
         """Sample ``n`` tokens per row of the head's logits ``[R, Vd]`` (over ``head.draft_vocab``) with

@@ -115,9 +115,11 @@ class SlotKVCache:
             output_hidden_states: fill ``hidden_states`` (a tuple indexed like transformers', ``None`` where
                 not captured), each ``[B, n, h]``.
             features: ``[B, n, F]`` per-token inputs of an EAGLE head (target features or its own outputs).
-            logit_columns: optional ``[B] int64``: the one column of each row whose logits are computed (e.g. a
+            logit_columns: optional ``[B] int64``: the one column of each row whose outputs are read (e.g. a
                 ragged catch-up's last real token, ``num_valid[r] - 1``); a row whose column is a hole or
-                negative gets zeros. Overrides ``logits_to_keep``; the logits are then ``[B, 1, V]``.
+                negative gets zeros. Overrides ``logits_to_keep``; the logits and the output object's ``hidden``
+                are then ``[B, 1, ...]``, and the last layer runs past its cache writes for those tokens only
+                (the cache is written as without it).
 
         Returns:
             ``[B, n or k or 1, V] float32`` logits (zeros in holes), or the output object.
@@ -178,6 +180,9 @@ class SlotKVCache:
         extra = {}
         if features is not None:
             extra["features"] = features.to(dev)[rows_idx.to(dev), cols_idx.to(dev)]
+        rows_only = logit_columns is not None and logit_rows.numel() > 0
+        if rows_only:  # only the chosen columns' outputs are read: the last layer runs for them only
+            extra["rows_only"] = True
         out = self.model.forward(tokens, self.k, self.v,
                                  None if logit_rows is None else logit_rows.to(dev), capture, **extra)
         self.lengths = start + num_valid
@@ -213,7 +218,13 @@ class SlotKVCache:
         hidden_states = None
         if output_hidden_states:
             hidden_states = tuple(unpack(out.captured[i]) if i in out.captured else None for i in range(layers + 1))
-        return SimpleNamespace(logits=logits, hidden_states=hidden_states, hidden=unpack(out.hidden))
+        if logit_columns is not None:  # hidden of the chosen columns only, [B, 1, h] like the logits
+            hidden = out.hidden.new_zeros(batch, 1, out.hidden.shape[-1])
+            if rows_only:
+                hidden[sel_rows.to(dev), 0] = out.hidden
+        else:
+            hidden = unpack(out.hidden)
+        return SimpleNamespace(logits=logits, hidden_states=hidden_states, hidden=hidden)
 
     # ---- bookkeeping ---------------------------------------------------------------------------------------
     def truncate(self, lengths: torch.Tensor) -> None:

@@ -64,9 +64,11 @@ class NativeEagleHead:
 
     def forward(self, batch: TokenBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 logit_rows: torch.Tensor | None = None, capture: tuple[int, ...] = (),
-                features: torch.Tensor | None = None) -> NativeOutput:
+                features: torch.Tensor | None = None, rows_only: bool = False) -> NativeOutput:
         """One packed step. ``features``: ``[N, 3h]`` target features (fused here) or ``[N, h]`` the head's own
-        earlier outputs ``g``. Returns ``hidden = g [N, h]`` and logits over the draft vocabulary.
+        earlier outputs ``g``. Returns ``hidden = g [N, h]`` and logits over the draft vocabulary. ``rows_only``:
+        only ``logit_rows``' outputs are read (a catch-up): the layer runs past its cache writes for them only and
+        ``hidden`` is ``[M, h]``.
 
         Raises:
             ValueError: missing features or a width that is neither 3h nor h.
@@ -80,8 +82,9 @@ class NativeEagleHead:
         elif features.shape[-1] != hidden:
             raise ValueError(f"features must have width {3 * hidden} or {hidden}, got {features.shape[-1]}")
         x = run_linear(torch.cat([self.stack.embed_tokens(batch.ids), features], dim=-1), self.input_proj)
-        g, normed, _ = self.stack.run_layers(x, batch, k_cache, v_cache)
-        rows = normed if logit_rows is None else normed.index_select(0, logit_rows)
+        out_rows = logit_rows if rows_only else None
+        g, normed, _ = self.stack.run_layers(x, batch, k_cache, v_cache, out_rows=out_rows)
+        rows = normed if logit_rows is None or out_rows is not None else normed.index_select(0, logit_rows)
         logits = self.stack.logits(rows) if rows.shape[0] else normed.new_zeros(0, self.stack.vocab_size)
         return NativeOutput(hidden=g, logits=logits)
 

@@ -298,35 +298,50 @@ class NativeLlama:
         return run_linear(normed, self.lm_head)
 
     def run_layers(self, hidden: torch.Tensor, batch: TokenBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   capture: tuple[int, ...] = (), final_norm: bool = True):
+                   capture: tuple[int, ...] = (), final_norm: bool = True, out_rows: torch.Tensor | None = None):
         """Decoder stack over packed tokens: returns ``(x [N, h], normed [N, h] or None, {i: input of layer i})``.
-        Writes every token's keys / values into the caches at ``(slot, index)``."""
+        Writes every token's keys / values into the caches at ``(slot, index)``.
+
+        ``out_rows``: optional strictly increasing ``[M] int64`` packed token indices whose outputs are read: the
+        last layer's attention, o_proj and MLP then run for them only (an EAGLE catch-up reads one token per
+        row), and ``x`` / ``normed`` are ``[M, h]`` in that order. The caches are written as without it."""
         if _use_kernels(hidden.device):
             outs = torch.ops.specadapt.native_llama_forward(
                 hidden.float().contiguous(), self._op_tensors, self._op_formats,
                 self.final_norm if final_norm else None, k_cache, v_cache, batch.slot, batch.index, batch.position,
                 batch.visible, batch.tree_base, batch.tree_mask, self.rope_cos, self.rope_sin, list(capture),
                 self.eps, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size,
-                self.attn_scale)
+                self.attn_scale, out_rows)
             x, rest = outs[0], outs[1:]
             normed = rest[0] if final_norm else None
             captured = dict(zip(capture, rest[1:] if final_norm else rest))
             return x, normed, captured
-        return layers_reference(self, hidden, batch, k_cache, v_cache, capture, final_norm)
+        x, normed, captured = layers_reference(self, hidden, batch, k_cache, v_cache, capture, final_norm)
+        if out_rows is not None:
+            x = x.index_select(0, out_rows)
+            normed = None if normed is None else normed.index_select(0, out_rows)
+        return x, normed, captured
 
     def forward(self, batch: TokenBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                logit_rows: torch.Tensor | None = None, capture: tuple[int, ...] = ()) -> NativeOutput:
+                logit_rows: torch.Tensor | None = None, capture: tuple[int, ...] = (),
+                rows_only: bool = False) -> NativeOutput:
         """One packed forward: embeddings, decoder stack, final norm, LM head on ``logit_rows`` (``[M] int64``
-        packed token indices; ``None`` = every token).
+        packed token indices, increasing; ``None`` = every token).
 
         ``capture`` holds transformers ``hidden_states`` indices: ``i < layers`` is the input of layer ``i``,
-        ``layers`` the output after the final norm.
+        ``layers`` the output after the final norm. ``rows_only``: only ``logit_rows``' outputs are read, so the
+        last layer runs past its cache writes for them only and ``hidden`` is ``[M, h]`` (not with ``layers`` in
+        ``capture``).
         """
         inner = tuple(i for i in capture if i < self.num_layers)
-        x, normed, captured = self.run_layers(self.embed_tokens(batch.ids), batch, k_cache, v_cache, inner)
+        out_rows = logit_rows if rows_only else None
+        if out_rows is not None and self.num_layers in capture:
+            raise ValueError("rows_only cannot capture the final hidden states of every token")
+        x, normed, captured = self.run_layers(self.embed_tokens(batch.ids), batch, k_cache, v_cache, inner,
+                                              out_rows=out_rows)
         if self.num_layers in capture:
             captured[self.num_layers] = normed
-        rows = normed if logit_rows is None else normed.index_select(0, logit_rows)
+        rows = normed if logit_rows is None or out_rows is not None else normed.index_select(0, logit_rows)
         logits = self.logits(rows) if rows.shape[0] else normed.new_zeros(0, self.vocab_size)
         return NativeOutput(hidden=x, logits=logits, captured=captured)
 
