@@ -9,7 +9,7 @@ head: target-only, fixed L in {1, 2, 3, 5, 7}, and adaptive verification at L = 
 ``--speculation auto``: a budget of 0 switches speculation off, probe rounds switch it back on). Each cell is a
 running batch kept full: a request ends at its natural EOS (or ``--max-new-tokens``) and the next prompt of the
 list joins in its place (continuous batching, prompts cycled with fresh seeds), until ``--cell-tokens x batch``
-tokens were emitted; tokens/s = emitted tokens / wall time (prefills of joining requests included). Every cell of
+tokens, and at least ``--min-cell-tokens``, were emitted; tokens/s = emitted tokens / wall time (prefills of joining requests included). Every cell of
 one (dataset, batch) decodes the same prompt sequence with the same seeds. The cost table of adaptive
 verification is profiled once per batch size on the forward in use, as the engine does at start-up.
 
@@ -104,7 +104,8 @@ def make_engine(target, draft, sampling, L, costs, refit, seed):
 
 def measure(target, draft, sampling, name, L, costs, prompts, batch, args):
     engine, av = make_engine(target, draft, sampling, L, costs, args.refit_interval, args.seed)
-    cell = run_cell(engine, prompts, batch, args.cell_tokens * batch, args.max_new_tokens, args.seed)
+    cell = run_cell(engine, prompts, batch, max(args.cell_tokens * batch, args.min_cell_tokens), args.max_new_tokens,
+                    args.seed)
     cell.update(setting=name, batch_size=batch)
     if av is not None:
         cell.update(rounds_off_share=av.rounds_off / max(av.rounds, 1), probe_rounds=av.probe_rounds,
@@ -121,6 +122,9 @@ def main() -> int:
     ap.add_argument("--fixed-l", nargs="+", type=int, default=[1, 2, 3, 5, 7])
     ap.add_argument("--adaptive-l", type=int, default=7)
     ap.add_argument("--cell-tokens", type=int, default=384, help="tokens emitted per cell, per batch row")
+    ap.add_argument("--min-cell-tokens", type=int, default=3072,
+                    help="tokens a cell emits at least, in all (small batches: a 384-token cell at batch 1 lasts "
+                         "about 2 s, and paired runs of it spread by 15%%)")
     ap.add_argument("--max-new-tokens", type=int, default=1024, help="cap of one request (most end at EOS)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-p", type=float, default=0.95)
@@ -135,6 +139,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/av_sweep")
     args = ap.parse_args()
+    if args.cell_tokens < 1 or args.min_cell_tokens < 0:
+        ap.error("--cell-tokens must be >= 1 and --min-cell-tokens >= 0")
     for flag in ("batch_sizes", "fixed_l"):
         if min(getattr(args, flag)) < 1:
             ap.error(f"--{flag.replace('_', '-')} values must be >= 1")
