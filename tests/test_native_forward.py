@@ -117,11 +117,19 @@ def test_logit_columns_give_each_rows_chosen_column_only(path):
     torch.testing.assert_close(got.logits[[0, 2], 0], want.logits[[0, 2], columns[[0, 2]]], atol=1e-5, rtol=0)
     torch.testing.assert_close(got.hidden[[0, 2], 0], want.hidden[[0, 2], columns[[0, 2]]], atol=1e-5, rtol=0)
     assert not got.logits[1].any() and not got.hidden[1].any()
+    # transformers' cache keeps the same columns of its full forward (the EAGLE catch-up reads either cache alike)
+    hf = RaggedKVCache(model, 3, packed=True)
+    hf.forward(*_pad([[5, 6, 7, 8], [9], [10, 11]]))
+    hf_got = hf.forward(ids, counts, logit_columns=columns)
+    assert hf_got.shape == got.logits.shape and not hf_got[1].any()
+    torch.testing.assert_close(hf_got[[0, 2]], got.logits[[0, 2]], atol=1e-4, rtol=0)
     assert picked.lengths.tolist() == full.lengths.tolist() == [7, 1, 4]
     ids, counts = _pad([[3], [4], [5]])  # the caches hold the same entries afterwards
     torch.testing.assert_close(picked.forward(ids, counts), full.forward(ids, counts), atol=0, rtol=0)
     with pytest.raises(ValueError, match="logit_columns"):
         picked.forward(ids, counts, logit_columns=torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match="logit_columns"):
+        hf.forward(ids, counts, logit_columns=torch.tensor([0, 0]))
 
 
 def test_hidden_states_capture_matches_transformers(path):

@@ -147,6 +147,25 @@ def test_speculation_off_and_probes_follow_the_target_law():
     assert_first_tokens_follow(results, _exact_joint(model, prompt, params, 2), n_req)
 
 
+def test_the_opening_probe_follows_the_target_law():
+    """A fresh adaptive verification (no B* yet): 4000 sampled requests whose first round is the opening probe
+    (one draft each) and whose next rounds speculate at full depth (a copy draft under a flat cost): the first
+    two tokens follow the exact target law (chi-square)."""
+    params = SamplingParams(1.0)
+    model = tiny_llama(vocab=8, layers=2, seed=4, init_std=0.3)
+    target = loaded(model)
+    prompt = [1, 2, 3, 1, 2]
+    av = _av(2, FLAT)
+    draft = ModelDraft(self_draft(target, 2), params, 2, "self:2")
+    n_req = 4000
+    results = SpeculativeEngine(target, draft, params, 2, "chain", seed=3, adaptive=av).generate(
+        [prompt] * n_req, 5, batch_size=n_req, seeds=list(range(n_req)))
+    assert av.probe_rounds == 1 and all(res.rounds[0].num_drafted == 1 for res in results)
+    assert sum(res.rounds[0].accepted for res in results) > 0, "the probe must accept drafts or it proves little"
+    assert any(len(res.rounds) > 1 and res.rounds[1].num_drafted == 2 for res in results)
+    assert_first_tokens_follow(results, _exact_joint(model, prompt, params, 2), n_req)
+
+
 def _drive_eagle(target, draft, histories, schedule, seed=0):
     """:func:`_drive_eagle_rows` with one schedule for every row; returns the q rows of the drafting rounds only."""
     per_row = [torch.tensor(schedule)] * len(histories)

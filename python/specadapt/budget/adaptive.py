@@ -118,7 +118,6 @@ class AdaptiveVerification:
         self._probe_wait = self.config.probe_interval
         self._predicted_off = False
         self._learn_round = True
-        self._opening_probe = False
 
     @classmethod
     def from_config(cls, num_positions: int, costs: CostTable, config: AVConfig | None = None,
@@ -156,7 +155,6 @@ class AdaptiveVerification:
             self._off_streak = 0
             self._probing = True
             self.probe_rounds += 1
-            self._opening_probe = True
             self._round_limit = self.config.probe_depth
             return self._round_limit
         if not self.speculation_off:
@@ -258,6 +256,7 @@ class AdaptiveVerification:
         surv = survival(predictions, num_drafts)
         self._plan_refits = self.estimator.refits
         probing = self._probing
+        opening = self.stale_budget is None  # the engine's first round (under "auto", the opening probe)
         if self.stale_budget is None or not self.prune or probing:
             num_verify = num_drafts.clone()  # a probe round verifies what it drafted (probe_depth per request)
         else:
@@ -267,9 +266,10 @@ class AdaptiveVerification:
         steps = depth_cost if self.config.early_stop else None
         self._predicted_ms = self._round_cost(num_drafts.shape[0], features.shape[1], int(num_verify.sum()))
         self._predicted_off = self._round_limit == 0
-        # a probe pays the deferred catch-up of every round it was off, the first round verifies all L: neither
-        # is a steady round, so neither teaches the overhead (they are still recorded in cost_samples)
-        self._learn_round = not probing and self.stale_budget is not None
+        # a probe pays the deferred catch-up of every round it was off, the first round catches up the prompts
+        # (and, without "auto", verifies all L): neither is a steady round, so neither teaches the overhead
+        # (they are still recorded in cost_samples)
+        self._learn_round = not probing and not opening
         if self.budget_from_verified:
             # draft_caps' features / proposed depths when early stop ran this round; else the proposal's own
             known = self._round_features if self._round_features is not None else features
@@ -281,11 +281,11 @@ class AdaptiveVerification:
         self.stale_budget = choose_budget(surv, self.costs, draft_steps=steps,
                                           zero_is_off=self.speculation == "auto", overhead_ms=self._overhead("on"),
                                           overhead_off_ms=self._overhead("off"))
-        if probing and self.stale_budget == 0 and not self._opening_probe:
+        if probing and self.stale_budget == 0 and not opening:
             self._probe_wait = min(2 * self._probe_wait, self.config.probe_interval_max)
         elif self._round_limit is None:
             self._probe_wait = self.config.probe_interval  # speculation ran: a later switch-off probes early again
-        self._probing = self._opening_probe = False
+        self._probing = False
         self._round_limit = None
         self.pruned += int((num_drafts - num_verify).sum())
         self.verified += int(num_verify.sum())

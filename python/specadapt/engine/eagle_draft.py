@@ -113,15 +113,9 @@ class EagleDraft(Draft):
             return torch.zeros(batch, hidden, dtype=dtype), torch.zeros(batch, self.head.draft_vocab.numel()), has
         ids, _ = pad_token_lists([h[len(h) - int(c) :] if c else []
                                   for h, c in zip(histories, counts.tolist())])  # [B, width]
-        last = (counts - 1).clamp_min(0)
-        index = torch.arange(batch)
-        if self.native is not None:  # logits of each row's last fed pair only (the rest are never read)
-            out = self.kv.forward(ids, counts, return_outputs=True, features=feats,
-                                  logit_columns=torch.where(counts > 0, last, torch.full_like(last, -1)))
-            logits, hidden = out.logits[:, 0], out.hidden[:, 0]
-        else:
-            out = self.kv.forward(ids, counts, return_outputs=True, features=feats)
-            logits, hidden = out.logits[index, last], out.hidden[index, last]
+        # only each row's last fed pair is read (its g and q row): the caches compute no more than that
+        out = self.kv.forward(ids, counts, return_outputs=True, features=feats, logit_columns=counts - 1)
+        logits, hidden = out.logits[:, 0], out.hidden[:, 0]
         for r in range(batch if self.record_context else 0):
             c = int(counts[r])
             if c:

@@ -201,6 +201,7 @@ class RaggedKVCache:
         chunk_mask: torch.Tensor | None = None,
         chunk_positions: torch.Tensor | None = None,
         return_outputs: bool = False,
+        logit_columns: torch.Tensor | None = None,
         **model_kwargs,
     ):
         """Append one chunk and return its logits.
@@ -216,6 +217,11 @@ class RaggedKVCache:
                 current length (tree depth); default ``0..n-1``.
             return_outputs: return the model's whole output object instead of its logits (e.g. with
                 ``output_hidden_states=True`` in ``model_kwargs``).
+            logit_columns: optional ``[B] int64``, the one column of each row whose outputs are read (an EAGLE
+                catch-up's last fed pair); the logits, and the output's ``hidden`` where the model returns one,
+                are then ``[B, 1, ...]``, zeros for a negative or hole column. Overrides ``logits_to_keep``. (This
+                cache runs the model over every column and keeps those; :class:`~specadapt.engine.native.
+                SlotKVCache` runs the last layer for them only.)
             model_kwargs: passed to the model's forward (e.g. ``features=`` for an EAGLE head).
 
         Returns:
@@ -225,6 +231,10 @@ class RaggedKVCache:
         batch, num_new = input_ids.shape
         if batch != self.batch_size:
             raise ValueError(f"input_ids has {batch} rows but the cache has {self.batch_size}")
+        if logit_columns is not None:
+            if tuple(logit_columns.shape) != (batch,):
+                raise ValueError(f"logit_columns must have shape [{batch}], got {tuple(logit_columns.shape)}")
+            logits_to_keep = 0
         num_valid = num_valid.to(self.device, torch.int64)
         cols = torch.arange(num_new, device=self.device)
         new_valid = cols[None, :] < num_valid[:, None]
@@ -271,6 +281,16 @@ class RaggedKVCache:
         self.valid = torch.cat([self.valid, new_valid], dim=1)
         self.lengths = self.lengths + num_valid
         self._last_chunk = num_new
+        if logit_columns is not None:
+            columns = logit_columns.to(self.device, torch.int64)
+            read = (columns >= 0) & (columns < num_valid)
+            index = columns.clamp(0, max(num_new - 1, 0))[:, None]
+            keep = read[:, None, None]
+            out.logits = torch.where(keep, out.logits.gather(
+                1, index[:, :, None].expand(-1, 1, out.logits.shape[-1])), 0.0)
+            if getattr(out, "hidden", None) is not None:
+                out.hidden = torch.where(keep, out.hidden.gather(
+                    1, index[:, :, None].expand(-1, 1, out.hidden.shape[-1])), 0.0)
         return out if return_outputs else out.logits
 
     @staticmethod

@@ -36,10 +36,6 @@ class PendingFeatures:
         self._free: list[int] = []
         self.counts = torch.zeros(0, dtype=torch.int64)
 
-    @property
-    def batch_size(self) -> int:
-        return int(self._row_slot.numel())
-
     def _ensure(self, slots: int, capacity: int) -> None:
         """Grow the store (doubling) to hold at least ``slots`` slots of ``capacity`` pairs each."""
         have_slots, have_cap = self._store.shape[:2]

@@ -84,9 +84,7 @@ class NativeEagleHead:
         x = run_linear(torch.cat([self.stack.embed_tokens(batch.ids), features], dim=-1), self.input_proj)
         out_rows = logit_rows if rows_only else None
         g, normed, _ = self.stack.run_layers(x, batch, k_cache, v_cache, out_rows=out_rows)
-        rows = normed if logit_rows is None or out_rows is not None else normed.index_select(0, logit_rows)
-        logits = self.stack.logits(rows) if rows.shape[0] else normed.new_zeros(0, self.stack.vocab_size)
-        return NativeOutput(hidden=g, logits=logits)
+        return NativeOutput(hidden=g, logits=self.stack.logits_of_rows(normed, logit_rows, out_rows is not None))
 
     def refresh_from(self, head) -> None:
         """Re-pack the (trained) head's own matrices into this head's storage in place."""

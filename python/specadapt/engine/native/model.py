@@ -297,6 +297,13 @@ class NativeLlama:
         """LM head of ``normed [M, h]`` (after the final norm) -> ``[M, V] float32``."""
         return run_linear(normed, self.lm_head)
 
+    def logits_of_rows(self, normed: torch.Tensor, logit_rows: torch.Tensor | None, compacted: bool) -> torch.Tensor:
+        """LM head of the rows verification reads: ``normed [N, h]`` and ``logit_rows [M] int64`` (``None``: every
+        row) -> ``[M, V] float32``; ``compacted``: ``normed`` already holds just those rows (``run_layers``'
+        ``out_rows``)."""
+        rows = normed if logit_rows is None or compacted else normed.index_select(0, logit_rows)
+        return self.logits(rows) if rows.shape[0] else normed.new_zeros(0, self.vocab_size)
+
     def run_layers(self, hidden: torch.Tensor, batch: TokenBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    capture: tuple[int, ...] = (), final_norm: bool = True, out_rows: torch.Tensor | None = None):
         """Decoder stack over packed tokens: returns ``(x [N, h], normed [N, h] or None, {i: input of layer i})``.
@@ -341,8 +348,7 @@ class NativeLlama:
                                               out_rows=out_rows)
         if self.num_layers in capture:
             captured[self.num_layers] = normed
-        rows = normed if logit_rows is None or out_rows is not None else normed.index_select(0, logit_rows)
-        logits = self.logits(rows) if rows.shape[0] else normed.new_zeros(0, self.vocab_size)
+        logits = self.logits_of_rows(normed, logit_rows, out_rows is not None)
         return NativeOutput(hidden=x, logits=logits, captured=captured)
 
 
