@@ -17,7 +17,11 @@ Reports the machine's copy bandwidth and fp32 GEMM rate measured in the same run
 target step (its weight bytes at the copy rate); per cell: tokens/s, speedup over target-only, ms per round and
 its ratio to the weight floor, acceptance length (tokens per request-round), for AV the
 share of rounds with speculation off, probe rounds, and the cost model's error against the measured round times;
-per (dataset, batch) AV / max(target-only, best fixed L). Cells where that ratio is within ``--close-margin`` of 1
+per (dataset, batch) AV / max(target-only, best fixed L). With ``--same-text`` (default), every speculative cell is
+followed by target-only decoding replaying that cell's own text (``forced`` requests, same order and refills):
+its "speedup, same text" compares the two on the same contexts, so the ratio is free of how long the sampled
+answers happened to be (at batch 1 that alone moves tokens/s by up to 20%); AV / reference is also given on
+those speedups. Cells where that ratio is within ``--close-margin`` of 1
 are re-run ``--repeats-close`` times in total (AV and the reference) and reported as median and spread. A looping
 workload (``--loop-prompt`` at T = 0.6) shows AV switching speculation on where drafts pay. Writes
 ``--out/sweep.json``, ``--out/table.md`` and ``--out/av_sweep.png`` (tokens/s vs batch size per setting).
@@ -55,18 +59,33 @@ from specadapt.sampling import SamplingParams  # noqa: E402
 LOOP_PROMPT = ("Write the word 'apple' one hundred times, separated by commas, and nothing else.")
 
 
-def run_cell(engine, prompts, batch, budget_tokens, max_new, seed):
-    """Keep ``batch`` requests running (refill at EOS) until ``budget_tokens`` tokens were emitted."""
+def run_cell(engine, prompts, batch, budget_tokens, max_new, seed, forced=None):
+    """Keep ``batch`` requests running (refill at EOS) until ``budget_tokens`` tokens were emitted.
+
+    ``forced``: a target-only engine replays these outputs (one token list per request, in the order the other
+    cell started them; its budget is their total): the same text, so the same contexts, as the cell that wrote
+    them. The returned cell's ``texts`` holds every started request's output (for such a replay)."""
     counter = 0
+    started = []
 
     def fresh(count):
         nonlocal counter
         out = []
         for _ in range(count):
-            out.append(Request(prompts[counter % len(prompts)], max_new, seed + counter))
+            if forced is not None:
+                if counter >= len(forced):
+                    break
+                req = Request(prompts[counter % len(prompts)], len(forced[counter]), seed + counter,
+                              forced=forced[counter])
+            else:
+                req = Request(prompts[counter % len(prompts)], max_new, seed + counter)
+            out.append(req)
+            started.append(req)
             counter += 1
         return out
 
+    if forced is not None:
+        budget_tokens = sum(len(f) for f in forced)
     engine.open_batch()
     start = time.perf_counter()
     engine.join(fresh(batch))
@@ -84,7 +103,8 @@ def run_cell(engine, prompts, batch, budget_tokens, max_new, seed):
     engine.close_batch()
     return {"tokens": emitted, "seconds": seconds, "tokens_per_s": emitted / seconds, "rounds": rounds,
             "ms_per_round": 1e3 * seconds / max(rounds, 1),
-            "acceptance_length": emitted / max(row_rounds, 1), "requests_finished": finished}
+            "acceptance_length": emitted / max(row_rounds, 1), "requests_finished": finished,
+            "texts": [list(r.result.output_ids) for r in started if r.result.output_ids]}
 
 
 def av_over_reference(cells):
@@ -106,11 +126,28 @@ def measure(target, draft, sampling, name, L, costs, prompts, batch, args):
     engine, av = make_engine(target, draft, sampling, L, costs, args.refit_interval, args.seed)
     cell = run_cell(engine, prompts, batch, max(args.cell_tokens * batch, args.min_cell_tokens), args.max_new_tokens,
                     args.seed)
+    texts = cell.pop("texts")
     cell.update(setting=name, batch_size=batch)
     if av is not None:
         cell.update(rounds_off_share=av.rounds_off / max(av.rounds, 1), probe_rounds=av.probe_rounds,
                     verified=av.verified, pruned=av.pruned, cost_model=av.cost_model_error())
+    if L > 0 and args.same_text:
+        # target-only decoding of this cell's own text, right after it: the same contexts, so a ratio free of
+        # the text's length (at batch 1 two samples' tokens/s differ by up to 20% from their lengths alone)
+        replay = run_cell(make_engine(target, draft, sampling, 0, None, args.refit_interval, args.seed)[0],
+                          prompts, batch, 0, args.max_new_tokens, args.seed, forced=texts)
+        cell.update(same_text_target_tokens_per_s=replay["tokens_per_s"],
+                    speedup_same_text=cell["tokens_per_s"] / replay["tokens_per_s"])
+    elif L == 0:
+        cell["speedup_same_text"] = 1.0
     return cell
+
+
+def av_over_reference_same_text(cells):
+    """(reference setting, AV / reference) where each cell's speed is its speedup over target-only on its own
+    text: the reference is the best of target-only (1.0) and the fixed L cells."""
+    reference = max(cells[:-1], key=lambda c: c.get("speedup_same_text", 0.0))
+    return reference, cells[-1]["speedup_same_text"] / reference["speedup_same_text"]
 
 
 def main() -> int:
@@ -134,6 +171,9 @@ def main() -> int:
     ap.add_argument("--loop-prompt", default=LOOP_PROMPT, help="the looping workload ('' skips it)")
     ap.add_argument("--loop-temperature", type=float, default=0.6)
     ap.add_argument("--loop-batch-sizes", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--same-text", action=argparse.BooleanOptionalAction, default=True,
+                    help="after every speculative cell, time target-only decoding replaying that cell's text "
+                         "(speedup on the same text: both read the same contexts)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--forward", default="auto")
     ap.add_argument("--seed", type=int, default=0)
@@ -196,17 +236,32 @@ def main() -> int:
             entry = {"dataset": dataset, "batch_size": batch, "reference": reference["setting"],
                      "av_over_reference": ratio, "rounds_off_share": av_cell["rounds_off_share"],
                      "cost_model": av_cell["cost_model"]}
-            if abs(ratio - 1) <= args.close_margin and args.repeats_close > 1:
-                ratios = [ratio]
+            same_ratio = None
+            if args.same_text:
+                same_ref, same_ratio = av_over_reference_same_text(cells)
+                entry.update(reference_same_text=same_ref["setting"], av_over_reference_same_text=same_ratio)
+            close = abs(ratio - 1) <= args.close_margin or (same_ratio is not None
+                                                             and abs(same_ratio - 1) <= args.close_margin)
+            if close and args.repeats_close > 1:
+                ratios, same_ratios = [ratio], [same_ratio]
                 ref_spec = next(s for s in settings if s[0] == reference["setting"])
+                same_spec = next(s for s in settings if s[0] == entry.get("reference_same_text", "target-only"))
                 for _ in range(args.repeats_close - 1):
                     ref = measure(target, draft, sampling, ref_spec[0], ref_spec[1], None, prompts, batch, args)
                     again = measure(target, draft, sampling, av_cell["setting"], args.adaptive_l,
                                     costs_by_batch[batch], prompts, batch, args)
                     ratios.append(again["tokens_per_s"] / ref["tokens_per_s"])
+                    if args.same_text:
+                        same_ref = ref if same_spec == ref_spec else measure(
+                            target, draft, sampling, same_spec[0], same_spec[1], None, prompts, batch, args)
+                        same_ratios.append(again["speedup_same_text"] / same_ref["speedup_same_text"])
                 entry.update(repeats=len(ratios), av_over_reference_runs=ratios,
                              av_over_reference_median=statistics.median(ratios),
                              spread=max(ratios) - min(ratios))
+                if args.same_text:
+                    entry.update(av_over_reference_same_text_runs=same_ratios,
+                                 av_over_reference_same_text_median=statistics.median(same_ratios),
+                                 spread_same_text=max(same_ratios) - min(same_ratios))
             summary.append(entry)
             rows.extend(cells)
     bar.close()
@@ -230,8 +285,8 @@ def main() -> int:
     lines = [f"Machine: {machine['cpu']}, {machine['threads']} threads, torch {machine['torch']}, "
              f"{machine['forward']} forward, {machine['weights']} weights; measured in this run: copy "
              f"{machine['copy_gbps']:.1f} GB/s, fp32 GEMM {machine['gemm_fp32_gflops']:.0f} GFLOP/s{floor}.", "",
-             "| dataset | batch | setting | tok/s | speedup | acc. length | ms / round (x weight floor) | rounds off | cost model (measured / predicted) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| dataset | batch | setting | tok/s | speedup | speedup, same text | acc. length | ms / round (x weight floor) | rounds off | cost model (measured / predicted) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows + loop_rows:
         off = f"{100 * r['rounds_off_share']:.0f}% ({r['probe_rounds']} probes)" if "rounds_off_share" in r else ""
         cm = f"{r['cost_model']['median_ratio']:.2f}" if "cost_model" in r else ""
@@ -239,15 +294,21 @@ def main() -> int:
         ms = f"{r['ms_per_round']:.1f}"
         if machine["weight_floor_ms"]:
             ms += f" ({r['ms_per_round'] / machine['weight_floor_ms']:.1f}x)"
+        same = f"{r['speedup_same_text']:.3f}" if "speedup_same_text" in r else ""
         lines.append(f"| {r['dataset']} | {r['batch_size']} | {r['setting']} | {r['tokens_per_s']:.1f} | {speed} | "
-                     f"{r['acceptance_length']:.2f} | {ms} | {off} | {cm} |")
-    lines += ["", "| dataset | batch | reference (best of target-only, fixed L) | AV / reference | runs | rounds off |",
-              "|---|---|---|---|---|---|"]
+                     f"{same} | {r['acceptance_length']:.2f} | {ms} | {off} | {cm} |")
+    lines += ["", "| dataset | batch | reference (best of target-only, fixed L) | AV / reference | runs | "
+                  "reference, same text | AV / reference, same text | runs | rounds off |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for e in summary:
         runs = (f"median {e['av_over_reference_median']:.3f}, spread {e['spread']:.3f} ({e['repeats']} runs)"
                 if "repeats" in e else "1")
+        same_ref = e.get("reference_same_text", "")
+        same = f"{e['av_over_reference_same_text']:.3f}" if "av_over_reference_same_text" in e else ""
+        same_runs = (f"median {e['av_over_reference_same_text_median']:.3f}, spread {e['spread_same_text']:.3f}"
+                     if "av_over_reference_same_text_median" in e else ("1" if same else ""))
         lines.append(f"| {e['dataset']} | {e['batch_size']} | {e['reference']} | {e['av_over_reference']:.3f} | {runs} | "
-                     f"{100 * e['rounds_off_share']:.0f}% |")
+                     f"{same_ref} | {same} | {same_runs} | {100 * e['rounds_off_share']:.0f}% |")
     md = "\n".join(lines)
     (out / "table.md").write_text(md + "\n")
     (out / "sweep.json").write_text(json.dumps({"config": vars(args), "machine": machine, "rows": rows,

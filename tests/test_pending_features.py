@@ -1,6 +1,6 @@
 """The EAGLE head's deferred catch-up queues (engine/pending.py) against a per-row list model: any sequence of
-appends (equal and ragged counts), partial takes, finished rows and joined rows returns every row's features in
-commit order, each exactly once."""
+appends (equal and ragged counts, and plain rounds' queued one-pair appends), partial takes, finished rows and
+joined rows returns every row's features in commit order, each exactly once."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ def _check(store: PendingFeatures, model: list[list[torch.Tensor]]) -> None:
 
 op = st.one_of(
     st.tuples(st.just("append"), st.lists(st.integers(0, 4), min_size=1, max_size=1), st.booleans()),
+    st.tuples(st.just("append_one"), st.integers(1, 4), st.booleans()),
     st.tuples(st.just("take"), st.integers(0, 2**16), st.booleans()),
     st.tuples(st.just("select"), st.integers(0, 2**16), st.booleans()),
     st.tuples(st.just("join"), st.lists(st.integers(0, 5), min_size=1, max_size=3), st.booleans()),
@@ -53,6 +54,14 @@ def test_queues_match_a_per_row_list_model(initial, ops):
             store.append(f, c)
             for r in range(batch):
                 model[r] += [f[r, j] for j in range(int(c[r]))]
+        elif kind == "append_one" and batch:
+            for _ in range(arg):  # plain rounds: queued, written by the next other call
+                f = fresh(batch, 1)
+                store.append_one(f if flag else f[:, 0])
+                for r in range(batch):
+                    model[r].append(f[r, 0])
+            if flag:  # leave the queue to the next operation (reading counts would write it)
+                continue
         elif kind == "take" and batch:
             rows = torch.tensor([(arg >> r) & 1 == 1 or flag for r in range(batch)])
             got, taken = store.take(rows)
@@ -101,3 +110,6 @@ def test_bad_shapes_are_refused_by_name():
         store.add_rows(torch.zeros(2, 1, F), torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="features"):
         store.add_rows(torch.zeros(1, 2, F + 1), torch.tensor([2]))
+    store.add_rows(None, torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="features"):
+        store.append_one(torch.zeros(3, 1, F))  # 3 rows for a batch of 2

@@ -24,8 +24,10 @@ STEEP = CostTable(target_ms=[10.0 * n for n in range(1, 257)], draft_ms=[5.0])  
 
 def _av(L, costs, speculation="auto", **settings):
     """Synthetic cost tables: the learnt overhead (measured - predicted) is off, or the tiny models' real round
-    times would rewrite the costs these tests choose. ``settings``: :class:`AVConfig` fields."""
+    times would rewrite the costs these tests choose; likewise the probe share's measured probe cost.
+    ``settings``: :class:`AVConfig` fields."""
     settings.setdefault("online_overhead", False)
+    settings.setdefault("probe_share", 0.0)
     return AdaptiveVerification(AcceptanceEstimator(L, refit_interval=5), costs, AVConfig(**settings),
                                 speculation=speculation)
 
@@ -126,6 +128,25 @@ def test_probes_back_off_while_speculation_does_not_pay(tiny_target):
     assert probes[:4] == [3, 8, 17, 26], drafted
     assert all(drafted[i] == 1 for i in probes)
     assert av.probe_rounds == len(probes) + 1
+
+
+def test_the_probe_wait_grows_past_its_cap_until_probes_cost_their_share():
+    """probe_share: a probe measured at 2 plain rounds' extra time (batch 32 on 2 cores) with a 1% share needs a
+    wait of 200 rounds; the doubling goes past probe_interval_max = 8 to 128 = 16 x 8 at most. A cheap probe
+    keeps the cap at probe_interval_max."""
+    L = 3
+    av = _av(L, STEEP, probe_interval=2, probe_interval_max=8, probe_share=0.01)
+    assert av.probe_wait_cap() == 8  # nothing measured yet
+    av._plain_round_ms, av._round_is_probe, av._predicted_ms = 10.0, True, 10.0
+    av.record_round_time(30.0)  # a probe round: 20 ms over a plain one
+    assert av._probe_excess_ms == 20.0 and not av._round_is_probe
+    assert av.probe_wait_cap() == 128
+    av = _av(L, STEEP, probe_interval=2, probe_interval_max=8, probe_share=0.01)
+    av._plain_round_ms, av._probe_excess_ms = 10.0, 0.5  # needs 5 rounds: the cap stays 8
+    assert av.probe_wait_cap() == 8
+    av._probe_excess_ms = 1.2  # needs 12
+    assert av.probe_wait_cap() == 12
+    assert _av(L, STEEP, probe_interval_max=8, probe_share=0.0).probe_wait_cap() == 8
 
 
 def test_speculation_off_and_probes_follow_the_target_law():

@@ -23,8 +23,10 @@ defers its catch-up to the round drafting resumes). Probe rounds keep the estima
 off: after ``probe_interval`` rounds off, one round drafts ``probe_depth`` token(s) per request and verifies them
 unpruned; its survivals (position 1 known, extrapolated to L) choose the next ``B*`` as in any round. A probe that
 leaves ``B* = 0`` doubles the wait before the next one, up to ``probe_interval_max`` (so a batch where speculation
-never pays spends at most about one round in ``probe_interval_max`` probing); a probe that turns speculation on
-resets it. The first round of an engine (no ``B*`` yet) is a probe too (the opening probe: it does not double the
+never pays spends at most about one round in ``probe_interval_max`` probing), or further, up to 16x that, while a
+probe's measured extra time (its deferred catch-up, draft step and extra verified tokens, over a plain round)
+exceeds ``probe_share`` of the plain rounds it waits (at batch 32 on 2 cores a probe costs about 2 plain rounds:
+probing every 64 rounds cost 5% of the decode time); a probe that turns speculation on resets it. The first round of an engine (no ``B*`` yet) is a probe too (the opening probe: it does not double the
 wait). Whether a round is off or a probe depends only on earlier rounds, never on this round's drafted tokens
 (the exactness condition above).
 """
@@ -103,6 +105,10 @@ class AdaptiveVerification:
     _off_streak: int = field(default=0, init=False)
     _probe_wait: int = field(default=0, init=False)
     _probing: bool = field(default=False, init=False)
+    # probe_share: the measured extra ms of a probe round over a plain one (average), and a plain round's ms
+    _probe_excess_ms: float | None = field(default=None, init=False)
+    _plain_round_ms: float | None = field(default=None, init=False)
+    _round_is_probe: bool = field(default=False, init=False)
     _round_limit: int | None = field(default=None, init=False)
     _predicted_ms: float | None = field(default=None, init=False)
     # draft_caps' features of the positions drafted so far, and its num_drafts at step 0 (the proposed depths)
@@ -179,11 +185,25 @@ class AdaptiveVerification:
         calibrated = self._predicted_ms + self._overhead(mode)
         if len(self.cost_samples) < self.config.max_cost_samples:
             self.cost_samples.append((self._predicted_ms, float(measured_ms), calibrated))
+        if self._round_is_probe and self._plain_round_ms is not None:
+            excess = max(float(measured_ms) - self._plain_round_ms, 0.0)
+            old = self._probe_excess_ms
+            self._probe_excess_ms = excess if old is None else 0.5 * (old + excess)
+            self._round_is_probe = False
         if self._learn_round:
             residual = float(measured_ms) - self._predicted_ms
             old = self.overhead_ms[mode]
             self.overhead_ms[mode] = residual if old is None else old + self.config.overhead_weight * (residual - old)
         self._predicted_ms = None
+
+    def probe_wait_cap(self) -> int:
+        """The most rounds off between probes: ``probe_interval_max``, raised (to at most 16x it) until the
+        measured probe's extra ms over a plain round is at most ``probe_share`` of the plain rounds' ms it waits."""
+        cap = self.config.probe_interval_max
+        if self.config.probe_share > 0 and self._probe_excess_ms and self._plain_round_ms:
+            needed = self._probe_excess_ms / (self.config.probe_share * self._plain_round_ms)
+            cap = min(max(cap, int(needed + 0.999)), 16 * self.config.probe_interval_max)
+        return cap
 
     def _overhead(self, mode: str) -> float:
         """The learnt overhead of a round with speculation ``mode`` (``on`` / ``off``); 0 while unmeasured or
@@ -281,8 +301,11 @@ class AdaptiveVerification:
         self.stale_budget = choose_budget(surv, self.costs, draft_steps=steps,
                                           zero_is_off=self.speculation == "auto", overhead_ms=self._overhead("on"),
                                           overhead_off_ms=self._overhead("off"))
+        self._round_is_probe = probing and not opening
+        if self._round_is_probe:  # what a plain round of this batch would cost: the probe's extra time is over it
+            self._plain_round_ms = self.costs.verify_cost(num_drafts.shape[0]) + self._overhead("off")
         if probing and self.stale_budget == 0 and not opening:
-            self._probe_wait = min(2 * self._probe_wait, self.config.probe_interval_max)
+            self._probe_wait = min(2 * self._probe_wait, self.probe_wait_cap())
         elif self._round_limit is None:
             self._probe_wait = self.config.probe_interval  # speculation ran: a later switch-off probes early again
         self._probing = False
@@ -297,14 +320,32 @@ class AdaptiveVerification:
         is unchanged; only the round's cost is recorded. Skips the estimator and budget work (about 0.3 ms a
         round, a few % of a batch-1 target step on 2 cores)."""
         batch = num_drafts.shape[0]
+        self._cost_off_round(batch)
+        zeros = torch.zeros(batch, dtype=torch.int64)
+        return zeros, features, torch.zeros(features.shape, dtype=torch.float64)
+
+    def _cost_off_round(self, batch: int) -> None:
+        """Cost a round with speculation off (for :meth:`record_round_time`); the next ``B*`` stays 0."""
         self._plan_refits = self.estimator.refits
         self._predicted_ms = self._round_cost(batch, 0, 0)
         self._predicted_off = True
         self._learn_round = self.stale_budget is not None
         self._round_features = self._round_proposed = None
         self._round_limit = None
-        zeros = torch.zeros(batch, dtype=torch.int64)
-        return zeros, features, torch.zeros(features.shape, dtype=torch.float64)
+
+    def plain_round(self, batch: int) -> None:
+        """A round with speculation off (:meth:`round_draft_limit` returned 0) that the engine ran as a plain
+        target step without proposing: the bookkeeping :meth:`plan` and :meth:`observe` do for a round of zero
+        drafts (its cost for :meth:`record_round_time`, the round and refit counts), without their tensors.
+
+        Raises:
+            RuntimeError: the round's limit was not 0 (a probe or speculation on must go through :meth:`plan`).
+        """
+        if self._round_limit != 0 or self._probing:
+            raise RuntimeError("plain_round: this round's draft limit is not 0 (call plan / observe)")
+        self._cost_off_round(batch)
+        self.rounds += 1
+        self.estimator.observe_nothing()
 
     def _round_cost(self, requests: int, drafted_depth: int, verified: int) -> float:
         """The cost model's ms for the round being planned: the draft's forwards (none when speculation is off;

@@ -21,6 +21,9 @@ class AVConfig:
             (:meth:`~specadapt.budget.adaptive.AdaptiveVerification.draft_caps`; same caps, less work).
         probe_interval, probe_interval_max: with speculation switched off, rounds before a probe round, and the
             cap of its doubling.
+        probe_share: the share of decode time probes may cost while speculation is off: the doubling may go past
+            ``probe_interval_max`` (to at most 16x it) until a probe's measured extra time is at most this share
+            of the plain rounds it waits; 0 disables it.
         probe_depth: drafts per request a probe round verifies (unpruned).
         online_overhead: learn the ms a round costs beyond the cost table's forwards from measured rounds.
         overhead_weight: weight of the newest residual in that exponential average.
@@ -44,6 +47,11 @@ class AVConfig:
     probe_interval_max: int = setting(64, flag="--av-probe-interval-max", fronts=("engine",),
                                       help="cap of the doubling probe interval (worst case about 1 probe round in "
                                            "this many)")
+    probe_share: float = setting(0.01, flag="--av-probe-share", fronts=("engine",), type=float,
+                                 help="with speculation switched off, the share of decode time probes may cost: "
+                                      "the doubling wait may grow past --av-probe-interval-max (up to 16x it) until "
+                                      "a probe's measured extra time is at most this share of the plain rounds "
+                                      "between probes (0: the cap is --av-probe-interval-max)")
     probe_depth: int = setting(1)
     online_overhead: bool = setting(True)
     overhead_weight: float = setting(0.1)
@@ -58,6 +66,7 @@ class AVConfig:
         require(self.probe_interval_max >= self.probe_interval, "probe_interval_max",
                 f"must be >= {{probe_interval}} ({self.probe_interval}), got {self.probe_interval_max}",
                 "probe_interval")
+        require(0 <= self.probe_share < 1, "probe_share", f"must lie in [0, 1), got {self.probe_share}")
         require(self.probe_depth >= 1, "probe_depth", f"must be >= 1, got {self.probe_depth}")
         require(0 < self.overhead_weight <= 1, "overhead_weight", f"must lie in (0, 1], got {self.overhead_weight}")
         require(self.max_cost_samples >= 0, "max_cost_samples", f"must be >= 0, got {self.max_cost_samples}")

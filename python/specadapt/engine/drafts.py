@@ -106,6 +106,25 @@ class Draft:
         """Receive the target features of the prefill (after :meth:`start`) or of a round's verified slots
         (before :meth:`commit`); only called when ``needs_target_hidden``."""
 
+    def plain_round(self, histories: list[list[int]], vocab_size: int, features: torch.Tensor | None = None) -> None:
+        """A round in which no request drafted: the target decoded one token per request (speculation off for
+        the whole batch, or target-only decoding). Called after the target's forward, in place of
+        :meth:`propose` / :meth:`observe_target` / :meth:`commit`.
+
+        Args:
+            histories: the committed tokens before this round's token (as :meth:`propose` gets them).
+            vocab_size: the target's vocabulary.
+            features: ``[B, 1, F]`` the round's target features when ``needs_target_hidden``, else ``None``.
+
+        The default does what a round with a proposal of zero drafts does (propose nothing, observe, commit 0
+        accepted); a draft overrides it where it can do less, as this runs every round speculation is off.
+        """
+        zeros = torch.zeros(len(histories), dtype=torch.int64)
+        self.propose(histories, zeros, vocab_size)
+        if features is not None:
+            self.observe_target(features)
+        self.commit(zeros)
+
     supports_paths = False
 
     def propose_paths(self, histories: list[list[int]], num_drafts: int, vocab_size: int, num_paths: int):

@@ -56,7 +56,8 @@ class EagleDraft(Draft):
         self._round_features: torch.Tensor | None = None
         self._awaiting_prefill = False
         self._prompt_pairs: torch.Tensor | None = None
-        self._fed_before: torch.Tensor | None = None
+        self._fed_before: torch.Tensor | None = None  # the head's cache lengths before this round's feed
+        self._round_open = False  # propose / propose_paths ran and commit has not yet
         self._paths = 1
         self.recent_features: list[torch.Tensor] = []  # per request [w, 3h], the last `window` fed pairs
         self.recent_tokens: list[torch.Tensor] = []  # per request [w] int64
@@ -77,6 +78,7 @@ class EagleDraft(Draft):
         self._prompt_pairs = torch.tensor([len(h) - 1 for h in histories], dtype=torch.int64)
         self._pending = None
         self._fed_before = None
+        self._round_open = False
         self._paths = 1
         hidden3 = 3 * self.head.hidden_size
         self.recent_features = [torch.zeros(0, hidden3) for _ in range(batch)]
@@ -142,12 +144,12 @@ class EagleDraft(Draft):
         batch = len(histories)
         drafting = max_tokens.to(torch.int64) > 0
         if not bool(drafting.any()):  # speculation off for every row: no draft work, the catch-up is deferred
-            self._fed_before = self.kv.lengths.cpu().clone()
+            self._fed_before, self._round_open = None, True  # nothing fed: nothing to roll back at commit
             proposal = empty_proposal(batch, 0, vocab_size)
             proposal.num_tokens = torch.zeros(batch, dtype=torch.int64)
             return proposal
         g, logits, has_context = self._feed_pending(histories, rows=drafting)
-        self._fed_before = self.kv.lengths.cpu().clone()
+        self._fed_before, self._round_open = self.kv.lengths.cpu().clone(), True
         num = torch.where(has_context & drafting, max_tokens.to(torch.int64), torch.zeros_like(max_tokens, dtype=torch.int64))
         length = int(num.max()) if batch else 0
         proposal = empty_proposal(batch, length, vocab_size)
@@ -173,6 +175,14 @@ class EagleDraft(Draft):
         proposal.probs = proposal.probs * live[:, :, None]
         return proposal
 
+    def plain_round(self, histories, vocab_size, features=None):
+        """Nothing drafted this round: the verified slot's features wait for the next catch-up (one pair a row)."""
+        if self.kv is None:
+            raise RuntimeError("start() must be called first")
+        if features is None or self._pending is None:
+            raise RuntimeError("EAGLE draft: the loop did not pass the round's target features")
+        self._pending.append_one(features)
+
     def propose_paths(self, histories, num_drafts, vocab_size, num_paths):
         assert self.kv is not None, "start() must be called first"
         if num_drafts < 1 or num_paths < 1:
@@ -181,7 +191,7 @@ class EagleDraft(Draft):
         g, logits, has_context = self._feed_pending(histories)
         if not bool(has_context.all()):
             raise ValueError("GBV with the EAGLE draft needs prompts of at least 2 tokens")
-        self._fed_before = self.kv.lengths.cpu().clone()
+        self._fed_before, self._round_open = self.kv.lengths.cpu().clone(), True
         vocab = self.head.draft_vocab.cpu()
         tokens = torch.zeros(batch, num_paths, num_drafts, dtype=torch.int64)
         probs = torch.zeros(batch, num_paths, num_drafts, vocab_size, dtype=torch.float32)
@@ -213,13 +223,17 @@ class EagleDraft(Draft):
         self._paths = 1
 
     def commit(self, accept_len):
-        if self.kv is None or self._fed_before is None:
+        if self.kv is None or not self._round_open:
             return
-        self.kv.truncate(self._fed_before)  # drop the entries fed with the head's own outputs
-        self._fed_before = None
+        self._round_open = False
         if self._round_features is None:
             raise RuntimeError("EAGLE draft: the loop did not pass the round's target features (observe_target)")
-        self._pending.append(self._round_features, accept_len.to(torch.int64) + 1)
+        if self._fed_before is None:  # a plain round (nothing drafted or fed): one pair per row
+            self._pending.append_one(self._round_features)
+        else:
+            self.kv.truncate(self._fed_before)  # drop the entries fed with the head's own outputs
+            self._fed_before = None
+            self._pending.append(self._round_features, accept_len.to(torch.int64) + 1)
         self._round_features = None
 
     def select(self, rows):

@@ -534,6 +534,8 @@ class SpeculativeEngine:
             max_drafts = torch.where(self._speculate, max_drafts, torch.zeros_like(max_drafts))
         if self._round_limit is not None:  # adaptive verification: speculation off (0) or a probe round
             max_drafts = torch.clamp(max_drafts, max=self._round_limit)
+        if (self.adaptive is None or self._round_limit == 0) and not bool(max_drafts.any()):
+            return self._plain_round(kv, histories)
         self.draft.history_counts = self._counts
         proposal = self.draft.propose(histories, max_drafts, self.vocab_size, draft_filter=self._draft_filter)
         n_draft = proposal.num_tokens
@@ -561,13 +563,38 @@ class SpeculativeEngine:
             impl=self.verify_impl,
         )
         accept_len = out.accept_len.to(torch.int64)
-        kv.truncate(kv.lengths.cpu() - (n_draft - accept_len))
+        if width:  # a plain round (no drafts) wrote only committed entries: nothing to roll back
+            kv.truncate(kv.lengths.cpu() - (n_draft - accept_len))
         self.draft.commit(accept_len)
         if self.adaptive is not None:
             self.adaptive.observe(features, predictions, accept_len, n_draft)
         if self.tts is not None and width > 0:
             self.tts.end_round(histories, proposal.tokens, n_draft, accept_len, target_probs, proposal.probs)
         return accept_len, out.output_tokens, n_draft
+
+    def _plain_round(self, kv, histories: list[list[int]]):
+        """A round in which no request drafts (target-only decoding, speculation off for the whole batch): one
+        target step, sampled with the same coins as a round of zero drafts, and only the bookkeeping such a round
+        needs (the draft keeps the features its catch-up will read, adaptive verification counts the round).
+        It runs every round that speculation is off, so it does as little as it can: at batch 1 on 2 cores the
+        general path's empty proposal, plan and commit cost about 5% of a target step. Returns like
+        :meth:`_single_path_round`."""
+        batch = len(histories)
+        if self.adaptive is not None:
+            self.adaptive.plain_round(batch)
+        zeros = torch.zeros(batch, dtype=torch.int64)
+        last = torch.tensor([h[-1] for h in histories], dtype=torch.int64)[:, None]  # [B, 1]
+        out = kv.forward(last, zeros + 1, return_outputs=True, **self._hidden_kwargs)
+        features = self.draft.target_features(out.hidden_states) if self.draft.needs_target_hidden else None
+        history = self._counts.chain(last[:, :0], zeros) if self._needs_target_history() else None
+        target_probs = _real_row_probs(out.logits, zeros + 1, self._target_params, history)
+        uniforms, uniforms_final = self._coins(histories, 0)
+        verified = kernels.verify(self.rule.plain_rule, last, target_probs,
+                                  torch.zeros(batch, 0, self.vocab_size, dtype=torch.float32), uniforms,
+                                  uniforms_final, num_draft_tokens=zeros, impl=self.verify_impl)
+        self.draft.history_counts = self._counts
+        self.draft.plain_round(histories, self.vocab_size, features)
+        return verified.accept_len.to(torch.int64), verified.output_tokens, zeros
 
     def _gbv_round(self, kv, histories: list[list[int]]):
         """One round of a multi-path rule (GBV): K sampled paths, merged into a token tree scored by ONE target

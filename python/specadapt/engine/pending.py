@@ -25,6 +25,9 @@ class PendingFeatures:
 
     Attributes:
         counts: ``[B] int64`` (CPU) pending pairs per row.
+
+    :meth:`append_one` (a plain round: one pair per row) only queues its features in a list; the queue is written
+    into the store in one indexed copy by the next other call (a run of plain rounds costs one list append each).
     """
 
     def __init__(self, feature_size: int, dtype: torch.dtype = torch.float32, device="cpu") -> None:
@@ -34,7 +37,31 @@ class PendingFeatures:
         self._store = torch.zeros(0, 0, self.feature_size, dtype=dtype, device=self.device)  # [slots, cap, F]
         self._row_slot = torch.zeros(0, dtype=torch.int64)
         self._free: list[int] = []
-        self.counts = torch.zeros(0, dtype=torch.int64)
+        self._counts = torch.zeros(0, dtype=torch.int64)
+        self._queued: list[torch.Tensor] = []  # append_one's [B, F] rows, oldest first, not yet in the store
+
+    @property
+    def counts(self) -> torch.Tensor:
+        self._flush()
+        return self._counts
+
+    @counts.setter
+    def counts(self, value: torch.Tensor) -> None:
+        self._flush()
+        self._counts = value
+
+    def _flush(self) -> None:
+        """Write the queued plain-round pairs into the store (every row gains ``len(queue)`` pairs)."""
+        if not self._queued:
+            return
+        queued, self._queued = self._queued, []
+        width = len(queued)
+        self._ensure(self._store.shape[0], int(self._counts.max()) + width)
+        block = torch.stack(queued, dim=1).to(self.device, self.dtype)  # [B, width, F]
+        columns = self._counts[:, None] + torch.arange(width)[None, :]
+        slots = self._row_slot[:, None].expand(-1, width)
+        self._store[slots.to(self.device), columns.to(self.device)] = block
+        self._counts = self._counts + width
 
     def _ensure(self, slots: int, capacity: int) -> None:
         """Grow the store (doubling) to hold at least ``slots`` slots of ``capacity`` pairs each."""
@@ -59,6 +86,7 @@ class PendingFeatures:
         Raises:
             ValueError: a features tensor narrower than its counts, or of the wrong feature size.
         """
+        self._flush()
         counts = counts.to("cpu", torch.int64)
         n = int(counts.numel())
         if n == 0:
@@ -78,6 +106,7 @@ class PendingFeatures:
 
     def append(self, features: torch.Tensor, counts: torch.Tensor) -> None:
         """Append the first ``counts[r]`` of ``features [B, n, F]`` to row ``r``'s queue (``counts [B] int64``)."""
+        self._flush()
         counts = counts.to("cpu", torch.int64)
         width = int(counts.max()) if counts.numel() else 0
         if width == 0:
@@ -98,6 +127,22 @@ class PendingFeatures:
                                                                                    cols.to(self.device)]
         self.counts = total
 
+    def append_one(self, features: torch.Tensor) -> None:
+        """Append one pair to every row: ``features [B, 1, F]`` (or ``[B, F]``), the round of a plain decode step
+        (every row commits exactly one token). Same result as ``append(features, ones)``; it only queues the
+        tensor (kept by reference: the caller must not write to it later), as this runs once a round while
+        speculation is off, where every microsecond is overhead over target-only decoding.
+
+        Raises:
+            ValueError: ``features`` not of ``B`` rows and ``F`` features.
+        """
+        rows = features[:, 0] if features.dim() == 3 and features.shape[1] == 1 else features
+        if rows.dim() != 2 or rows.shape[0] != self._counts.shape[0] or rows.shape[1] != self.feature_size:
+            raise ValueError(f"features must be [{self._counts.shape[0]}, 1, {self.feature_size}], got "
+                             f"{tuple(features.shape)}")
+        if rows.shape[0]:
+            self._queued.append(rows.detach())
+
     def take(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Remove the pending pairs of the marked rows and return them.
 
@@ -108,6 +153,7 @@ class PendingFeatures:
             ``(features [B, w, F], counts [B] int64)``: ``w`` = the largest taken count; row ``r``'s first
             ``counts[r]`` columns are its pairs (0 for rows not taken); the rest of each row is unspecified.
         """
+        self._flush()
         counts = torch.where(rows.to("cpu", torch.bool), self.counts, torch.zeros_like(self.counts))
         width = int(counts.max()) if counts.numel() else 0
         features = self._store[self._row_slot.to(self.device), :width]
@@ -116,6 +162,7 @@ class PendingFeatures:
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these rows, in this order (``[B'] int64``); the others' slots are freed (nothing copied)."""
+        self._flush()
         rows = rows.to("cpu", torch.int64)
         kept = self._row_slot.index_select(0, rows)
         gone = set(self._row_slot.tolist()) - set(kept.tolist())

@@ -73,6 +73,11 @@ class AcceptanceEstimator:
         k = features.shape[-1]
         if k > 0:
             self.stats[:k] += self._accumulate(features, predictions, accepted, verified).to(self.stats)
+        self.observe_nothing()
+
+    def observe_nothing(self) -> None:
+        """A step that verified no draft: it counts toward the refit schedule (refit every ``refit_interval``
+        steps) and adds no statistics."""
         self.steps += 1
         if self.steps % self.refit_interval == 0:
             self.refit()
