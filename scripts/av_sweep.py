@@ -97,7 +97,7 @@ def run_cell(engine, prompts, batch, budget_tokens, max_new, seed, forced=None):
         emitted += sum(len(tokens) for _, tokens, _ in events)
         done = sum(1 for _, _, d in events if d)
         finished += done
-        if done:
+        if done and emitted < budget_tokens:  # no request joins (and prefills) after the last timed round
             engine.join(fresh(done))
     seconds = time.perf_counter() - start
     engine.close_batch()

@@ -149,19 +149,6 @@ def test_the_probe_wait_grows_past_its_cap_until_probes_cost_their_share():
     assert _av(L, STEEP, probe_interval_max=8, probe_share=0.0).probe_wait_cap() == 8
 
 
-def test_a_speculative_round_halves_the_probe_wait():
-    """A round with speculation on halves the wait (not back to probe_interval): one false alarm after a long
-    stretch off does not restart the doubling from 4; a long stretch on brings it down to probe_interval."""
-    L = 3
-    av = _av(L, STEEP, probe_interval=4, probe_interval_max=64)
-    av._probe_wait, av.stale_budget = 64, 2
-    for want in (32, 16, 8, 4, 4):
-        assert av.round_draft_limit() is None  # B* > 0: speculation on
-        av.plan_features(torch.zeros(1, L), torch.full((1,), L))
-        assert av._probe_wait == want
-        av.stale_budget = 2
-
-
 def test_speculation_off_and_probes_follow_the_target_law():
     """4000 sampled requests whose first token comes from a round with speculation off and whose second comes
     from a probe round: the first two tokens follow the exact target law (chi-square)."""

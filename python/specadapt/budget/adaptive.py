@@ -26,9 +26,7 @@ leaves ``B* = 0`` doubles the wait before the next one, up to ``probe_interval_m
 never pays spends at most about one round in ``probe_interval_max`` probing), or further, up to 16x that, while a
 probe's measured extra time (its deferred catch-up, draft step and extra verified tokens, over a plain round)
 exceeds ``probe_share`` of the plain rounds it waits (at batch 32 on 2 cores a probe costs about 2 plain rounds:
-probing every 64 rounds cost 5% of the decode time); every round that speculates halves it (down to
-``probe_interval``): a long stretch of speculation probes early again after the next switch-off, a single
-speculative round (a probe's false alarm) does not restart the doubling from ``probe_interval``. The first round of an engine (no ``B*`` yet) is a probe too (the opening probe: it does not double the
+probing every 64 rounds cost 5% of the decode time); a round that speculates resets it to ``probe_interval``. The first round of an engine (no ``B*`` yet) is a probe too (the opening probe: it does not double the
 wait). Whether a round is off or a probe depends only on earlier rounds, never on this round's drafted tokens
 (the exactness condition above).
 """
@@ -308,8 +306,8 @@ class AdaptiveVerification:
             self._plain_round_ms = self.costs.verify_cost(num_drafts.shape[0]) + self._overhead("off")
         if probing and self.stale_budget == 0 and not opening:
             self._probe_wait = min(2 * self._probe_wait, self.probe_wait_cap())
-        elif self._round_limit is None:  # speculation ran: a later switch-off probes earlier again
-            self._probe_wait = max(self.config.probe_interval, self._probe_wait // 2)
+        elif self._round_limit is None:
+            self._probe_wait = self.config.probe_interval  # speculation ran: a later switch-off probes early again
         self._probing = False
         self._round_limit = None
         self.pruned += int((num_drafts - num_verify).sum())
