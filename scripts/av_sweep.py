@@ -104,7 +104,7 @@ def run_cell(engine, prompts, batch, budget_tokens, max_new, seed, forced=None):
     return {"tokens": emitted, "seconds": seconds, "tokens_per_s": emitted / seconds, "rounds": rounds,
             "ms_per_round": 1e3 * seconds / max(rounds, 1),
             "acceptance_length": emitted / max(row_rounds, 1), "requests_finished": finished,
-            "texts": [list(r.result.output_ids) for r in started if r.result.output_ids]}
+            "texts": [list(r.result.output_ids) for r in started if r.result is not None and r.result.output_ids]}
 
 
 def av_over_reference(cells):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -53,7 +54,8 @@ def test_study_bucket_aggregation_weights_by_rounds():
 
 
 class _FakeEngine:
-    """Each step emits 2 tokens per running row; a row finishes after 3 steps."""
+    """Each step emits 2 tokens per running row (its seed and the step); a row finishes after 3 steps, or, for a
+    forced request, when its forced tokens are used up."""
 
     def __init__(self):
         self.rows, self.joined, self.opened = [], [], 0
@@ -63,14 +65,25 @@ class _FakeEngine:
 
     def join(self, requests):
         self.joined.extend(requests)
+        for r in requests:
+            r.result = SimpleNamespace(output_ids=[])
         self.rows.extend([r, 0] for r in requests)
 
     def step(self):
         events = []
         for row in self.rows:
+            req = row[0]
             row[1] += 1
-            events.append((row[0], [1, 2], row[1] == 3))
-        self.rows = [row for row in self.rows if row[1] < 3]
+            if req.forced is not None:
+                done_so_far = len(req.result.output_ids)
+                tokens = req.forced[done_so_far : done_so_far + 2]
+                finished = done_so_far + len(tokens) >= len(req.forced)
+            else:
+                tokens, finished = [req.seed, row[1]], row[1] == 3
+            req.result.output_ids.extend(tokens)
+            events.append((req, tokens, finished))
+            row.append(finished)
+        self.rows = [row[:2] for row in self.rows if not row[2]]
         return events
 
     def close_batch(self):
@@ -91,3 +104,25 @@ def test_av_sweep_cell_refills_at_eos_and_reference():
              {"setting": "L=3", "tokens_per_s": 11.0}, {"setting": "AV", "tokens_per_s": 11.4}]
     reference, ratio = sweep.av_over_reference(cells)
     assert reference["setting"] == "L=1" and ratio == pytest.approx(0.95)
+
+
+def test_av_sweep_replays_a_cells_text_and_joins_nothing_after_its_last_round():
+    sweep = _load("av_sweep")
+    engine = _FakeEngine()
+    # 12 tokens: both rows finish in the round that reaches the budget, and nobody joins after it
+    cell = sweep.run_cell(engine, [[5], [6, 7]], batch=2, budget_tokens=12, max_new=9, seed=100)
+    assert cell["rounds"] == 3 and [r.seed for r in engine.joined] == [100, 101]
+    assert cell["texts"] == [[100, 1, 100, 2, 100, 3], [101, 1, 101, 2, 101, 3]]
+    cell = sweep.run_cell(_FakeEngine(), [[5], [6, 7]], batch=2, budget_tokens=20, max_new=9, seed=100)
+    replayer = _FakeEngine()
+    replay = sweep.run_cell(replayer, [[5], [6, 7]], batch=2, budget_tokens=0, max_new=9, seed=100,
+                            forced=cell["texts"])
+    # the same requests, in the same order, with the same text (the unfinished ones cut where the cell stopped)
+    assert [r.seed for r in replayer.joined] == [100, 101, 102, 103]
+    assert [list(r.prompt) for r in replayer.joined] == [[5], [6, 7], [5], [6, 7]]
+    assert [r.max_new_tokens for r in replayer.joined] == [6, 6, 4, 4]
+    assert replay["texts"] == cell["texts"] and replay["tokens"] == cell["tokens"] == 20
+    cells = [{"setting": "target-only", "speedup_same_text": 1.0}, {"setting": "L=1", "speedup_same_text": 0.8},
+             {"setting": "AV", "speedup_same_text": 0.97}]
+    reference, ratio = sweep.av_over_reference_same_text(cells)
+    assert reference["setting"] == "target-only" and ratio == pytest.approx(0.97)
