@@ -15,7 +15,7 @@ import torch
 from tests.helpers.models import loaded, tiny_llama
 from tests.helpers.exact_law import gbv_outcomes, multi_round_law, single_path_outcomes
 from tests.helpers.engine import assert_first_tokens_follow
-from specadapt.engine import ModelDraft, NgramDraft, SpeculativeEngine
+from specadapt.engine import ModelDraft, NgramDraft, NoDraft, SpeculativeEngine
 from specadapt.engine import loop as loop_mod
 from specadapt.engine.drafts import self_draft
 from specadapt.sampling import (SamplingParams, TokenCounts, apply_min_p, logits_to_probs, logits_to_probs_reference)
@@ -330,6 +330,20 @@ def test_engine_output_with_processors_follows_the_target_law(name, rule, kind):
     n_req = 4000
     results = engine.generate([prompt] * n_req, 3, batch_size=n_req, seeds=list(range(n_req)))
     assert any(r.rounds[0].accepted > 0 for r in results), "the draft never helped: the test would be vacuous"
+    assert_first_tokens_follow(results, exact_joint_processed(model, prompt, params, 2), n_req)
+
+
+@pytest.mark.parametrize("name", ["repetition", "combo"])
+def test_plain_rounds_with_processors_follow_the_target_law(name):
+    """The engine's plain round (target-only decoding; also every round with speculation off): chi-square of the
+    first two tokens over 4000 requests against the exact target-only law with history-dependent processors."""
+    params = PROCESSORS[name]
+    model = tiny_llama(vocab=8, layers=2, seed=4, init_std=0.3)
+    engine = SpeculativeEngine(loaded(model), NoDraft(), params, 0, "chain", seed=3)
+    prompt = [1, 2, 3, 1, 2]
+    n_req = 4000
+    results = engine.generate([prompt] * n_req, 2, batch_size=n_req, seeds=list(range(n_req)))
+    assert all(r.num_drafted == 0 for res in results for r in res.rounds)
     assert_first_tokens_follow(results, exact_joint_processed(model, prompt, params, 2), n_req)
 
 

@@ -33,6 +33,7 @@ wait). Whether a round is off or a probe depends only on earlier rounds, never o
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -202,7 +203,7 @@ class AdaptiveVerification:
         cap = self.config.probe_interval_max
         if self.config.probe_share > 0 and self._probe_excess_ms and self._plain_round_ms:
             needed = self._probe_excess_ms / (self.config.probe_share * self._plain_round_ms)
-            cap = min(max(cap, int(needed + 0.999)), 16 * self.config.probe_interval_max)
+            cap = min(max(cap, math.ceil(needed)), 16 * self.config.probe_interval_max)
         return cap
 
     def _overhead(self, mode: str) -> float:

@@ -577,7 +577,8 @@ class SpeculativeEngine:
         target step, sampled with the same coins as a round of zero drafts, and only the bookkeeping such a round
         needs (the draft keeps the features its catch-up will read, adaptive verification counts the round).
         It runs every round that speculation is off, so it does as little as it can: at batch 1 on 2 cores the
-        general path's empty proposal, plan and commit cost about 5% of a target step. Returns like
+        general path's empty proposal and commit made a `--speculation off` round 0.22-0.25 ms (about 6%) slower
+        than a target-only one, this path 0.08-0.10 ms (timed in lock-step). Returns like
         :meth:`_single_path_round`."""
         batch = len(histories)
         if self.adaptive is not None:
