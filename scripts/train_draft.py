@@ -48,6 +48,10 @@ def parse_args(argv=None):
     p.add_argument("--divergence", choices=["fkl", "tvd"], default=d.divergence,
                    help="training loss per unrolled step: forward KL (EAGLE-3) or total variation, i.e. 1 - the "
                         "acceptance rate (DistillSpec)")
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="matrix products of the training step: bf16 autocast (parameters, optimizer, teacher and "
+                        "validation stay float32) or fp32; auto = bf16 where the CPU has AMX (bf16 products 5-8x "
+                        "faster than fp32 there), else fp32")
     p.add_argument("--epochs", type=int, default=d.epochs)
     p.add_argument("--batch", type=int, default=d.batch, help="sequences per optimizer step")
     p.add_argument("--lr", type=float, default=d.lr)
@@ -132,11 +136,16 @@ def _vocab_study(target, native, train, validation, eos, keys) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    precision = args.precision
+    if precision == "auto":
+        from specadapt.bench.forward import cpu_flags
+
+        precision = "bf16" if "amx_bf16" in cpu_flags() else "fp32"
     try:
         config = TrainConfig(steps=args.steps, step_decay=args.step_decay, epochs=args.epochs, batch=args.batch,
                              lr=args.lr, warmup=args.warmup, eval_every=args.eval_every, patience=args.patience,
                              max_minutes=args.max_minutes, seed=args.seed,
-                             divergence=args.divergence)
+                             divergence=args.divergence, precision=precision)
     except ValueError as exc:
         print(f"train_draft.py: error: {exc}", file=sys.stderr)
         return 2

@@ -278,6 +278,48 @@ def test_training_with_total_variation_raises_validation_acceptance(tiny_data):
         TrainConfig(divergence="js")
 
 
+def test_bf16_autocast_loss_is_the_float32_loss_within_bf16_rounding():
+    """Under a bf16 autocast (TrainConfig.precision="bf16") the head's products run in bf16 but the teacher, the
+    step's logits and the attention softmax stay float32: the loss and its gradient agree with float32's to bf16
+    rounding, and the teacher side is unchanged (a head equal to nothing in particular, random weights)."""
+    target, head = _head(draft_vocab=torch.arange(0, 40, 2))
+    head.float()
+    T = 24
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, 40, (T,), generator=g)
+    features = torch.randn(T, 96, generator=g)
+    final = torch.randn(T, 32, generator=g)
+    for divergence in ("fkl", "tvd"):
+        head.zero_grad()
+        ref = unrolled_loss(head, tokens, features, final, 3, [1.0, 0.5, 0.25], first_query=2, divergence=divergence)
+        ref.backward()
+        ref_grad = head.layer.mlp.down_proj.weight.grad.clone()
+        head.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = unrolled_loss(head, tokens, features, final, 3, [1.0, 0.5, 0.25], first_query=2,
+                                divergence=divergence)
+        assert low.dtype == torch.float32
+        low.backward()
+        assert float(low) == pytest.approx(float(ref), rel=0.03)
+        assert float(low) != float(ref)  # the products did run in bf16
+        cos = torch.nn.functional.cosine_similarity(head.layer.mlp.down_proj.weight.grad.flatten(), ref_grad.flatten(), 0)
+        assert float(cos) > 0.95
+
+
+def test_bf16_training_raises_validation_acceptance(tiny_data):
+    target, seqs = tiny_data
+    train, val = split_by_prompt(seqs, 0.25, seed=0)
+    full = target.model.get_output_embeddings().weight
+    config = TrainConfig(steps=3, epochs=6, batch=2, lr=3e-3, warmup=2, eval_every=5, patience=100, seed=0,
+                         divergence="tvd", precision="bf16")
+    head = _fresh_head(target)
+    log = train_head(head, train, val, full, config, progress=False)
+    assert log["best"]["acceptance"][0] > log["validation_before"]["acceptance"][0] + 0.05
+    assert head.fuse.weight.dtype == torch.float32  # parameters stay float32
+    with pytest.raises(ValueError, match="precision"):
+        TrainConfig(precision="fp16")
+
+
 def test_training_raises_validation_acceptance_and_resumes(tiny_data, tmp_path):
     target, seqs = tiny_data
     train, val = split_by_prompt(seqs, 0.25, seed=0)

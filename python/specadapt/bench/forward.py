@@ -30,7 +30,7 @@ from ..timing import median_seconds
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["measure_machine", "ForwardResult", "run_forward_benchmark", "cpu_name"]
+__all__ = ["measure_machine", "ForwardResult", "run_forward_benchmark", "cpu_name", "cpu_flags"]
 
 
 def cpu_name() -> str:
@@ -43,6 +43,19 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``'s ``flags``, e.g. ``avx2``, ``avx512_vnni``, ``amx_bf16``);
+    empty where that file is missing."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
 
 def measure_machine(device: str = "cpu") -> dict:

@@ -140,7 +140,8 @@ def unrolled_forward(head, tokens: torch.Tensor, features: torch.Tensor, steps: 
         causal = torch.arange(n1, device=q.device)[None, :] <= torch.arange(lo, n, device=q.device)[:, None]
         scores = scores.masked_fill(~causal, float("-inf"))
         diag = torch.stack([(q * e).sum(-1) * scale for e in extra_k], dim=-1)  # [H, width, s-1]
-        weights = torch.softmax(torch.cat([scores, diag], dim=-1), dim=-1)
+        wide = torch.promote_types(scores.dtype, torch.float32)  # the softmax in float32 also under a bf16 autocast
+        weights = torch.softmax(torch.cat([scores.to(wide), diag.to(wide)], dim=-1), dim=-1)
         attended = torch.matmul(weights[..., :n1], v1x)
         attended = attended + (weights[..., n1:, None] * torch.stack(extra_v, dim=-2)).sum(-2)
         hidden.append(finish(x, attended))
@@ -218,10 +219,12 @@ def unrolled_loss(head, tokens: torch.Tensor, features: torch.Tensor, final: tor
     base = max(int(first_query), 0) + 1  # teacher rows h_{i+s} of every counted query: [base, T-1)
     if base >= T - 1:
         return None
-    with torch.no_grad():  # the teacher once per sequence: step s reads rows i + s
+    # the teacher once per sequence (step s reads rows i + s), in float32 also under a bf16 autocast
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
         t_logits_all = final[base : T - 1].float() @ head_weight.T.float()
         p_all = torch.softmax(t_logits_all, dim=-1)
-        neg_entropy_all = (p_all * torch.log(p_all.clamp_min(1e-30))).sum(-1)
+        # -H(p), only the forward KL reads it
+        neg_entropy_all = (p_all * torch.log(p_all.clamp_min(1e-30))).sum(-1) if divergence == "fkl" else None
     total, counted = None, False
     for s, (g, first) in enumerate(zip(out.hidden, out.first), start=1):
         n = first + g.shape[0]  # queries first .. n-1
@@ -232,6 +235,7 @@ def unrolled_loss(head, tokens: torch.Tensor, features: torch.Tensor, final: tor
         rows = slice(lo + s - base, n + s - base)  # h_{i+s} for queries i = lo .. n-1
         p, t_logits = p_all[rows], t_logits_all[rows]
         logits = F.linear(norm(g), head_weight)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32 also under a bf16 autocast
         if divergence == "fkl":  # KL(p || q) = cross-entropy(p, q) - H(p): one fused soft-label cross-entropy
             div = F.cross_entropy(logits, p) + neg_entropy_all[rows].mean()
         else:  # TV(p, q) = 1 - sum_x min(p, q); its gradient flows through q where q < p
