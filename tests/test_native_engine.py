@@ -16,6 +16,7 @@ from specadapt import kernels
 from specadapt.budget import CostTable
 from specadapt.budget.adaptive import AdaptiveVerification
 from specadapt.engine import NoDraft, SpeculativeEngine
+from specadapt.engine.loop import Request
 from specadapt.engine.models import attach_forward
 from specadapt.engine.native import NativeLlama, SlotKVCache
 from specadapt.estimator import AcceptanceEstimator
@@ -140,3 +141,23 @@ def test_forward_flags_refuse_what_cannot_run():
     with pytest.raises(ValueError, match="--forward"):
         attach_forward(target, "fast", "float32")
     assert attach_forward(target, "hf", "auto") == "float32" and target.native is None
+
+
+def test_a_row_at_the_context_end_takes_no_draft_step_past_it():
+    """A request that fills the context window exactly (prompt + max_new_tokens = the RoPE table) beside one that
+    keeps drafting: the full row drafts nothing in its last rounds, and its head must not step past the window
+    (the batch's longer drafts used to step every row: "position 32 outside the RoPE table (32)")."""
+    target = loaded(tiny_llama(vocab=32, layers=2, seed=3, max_positions=32))
+    attach_forward(target, "native", "float32")
+    full = [(3 * i + 1) % 32 for i in range(24)]  # 24 + 8 = 32 positions: the window exactly
+    short = [7]  # 1 + 31: keeps drafting 6 while the full row ends
+    draft = native_draft(target, "eagle")
+    engine = SpeculativeEngine(target, draft, GREEDY, 6, "chain")
+    requests = [Request(full, 8, 0), Request(short, 31, 1)]
+    engine.open_batch()
+    engine.join(requests)
+    while engine.num_active:
+        engine.step()
+    engine.close_batch()
+    assert requests[0].result.output_ids == naive_greedy(target.model, full, 8)
+    assert requests[1].result.output_ids == naive_greedy(target.model, short, 31)

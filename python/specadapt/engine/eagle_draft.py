@@ -135,8 +135,12 @@ class EagleDraft(Draft):
         picks = draw_tokens(q, coins)
         return self.head.draft_vocab.cpu()[picks], q
 
-    def _step(self, tokens: torch.Tensor, g: torch.Tensor):
-        out = self.kv.forward(tokens[:, None], torch.ones(tokens.shape[0], dtype=torch.int64), return_outputs=True, features=g[:, None])
+    def _step(self, tokens: torch.Tensor, g: torch.Tensor, valid: torch.Tensor | None = None):
+        """One draft step of every row (``valid [R] bool``: only these rows; the others get a hole, so a row that
+        drafts fewer tokens than the batch's longest never writes past its own drafts, e.g. past the end of the
+        context window)."""
+        num_valid = torch.ones(tokens.shape[0], dtype=torch.int64) if valid is None else valid.to(torch.int64)
+        out = self.kv.forward(tokens[:, None], num_valid, return_outputs=True, features=g[:, None])
         return out.hidden[:, -1], out.logits[:, -1].float()
 
     def propose(self, histories, max_tokens, vocab_size, draft_filter=None) -> DraftProposal:
@@ -165,8 +169,8 @@ class EagleDraft(Draft):
             proposal.probs[:, i].index_copy_(1, vocab, q)
             if not apply_draft_filter(draft_filter, proposal, i):
                 break
-            if i + 1 < length:
-                g, logits = self._step(token, g)
+            if i + 1 < length:  # rows whose drafts end here take no step (they may sit at the context's end)
+                g, logits = self._step(token, g, valid=i + 1 < proposal.num_tokens)
         trim_proposal(proposal)
         num = proposal.num_tokens
         length = proposal.tokens.shape[1]
