@@ -33,29 +33,27 @@ logger = logging.getLogger(__name__)
 __all__ = ["measure_machine", "ForwardResult", "run_forward_benchmark", "cpu_name", "cpu_flags"]
 
 
-def cpu_name() -> str:
-    """The CPU model (``/proc/cpuinfo``), else ``platform.processor()``."""
+def _cpuinfo(key: str) -> str | None:
+    """The first ``key : value`` of ``/proc/cpuinfo`` (stripped), or ``None`` (no such line, no such file)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.startswith(key):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_name() -> str:
+    """The CPU model (``/proc/cpuinfo``), else ``platform.processor()``."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def cpu_flags() -> set[str]:
     """The CPU's feature flags (``/proc/cpuinfo``'s ``flags``, e.g. ``avx2``, ``avx512_vnni``, ``amx_bf16``);
     empty where that file is missing."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return set((_cpuinfo("flags") or "").split())
 
 
 def measure_machine(device: str = "cpu") -> dict:

@@ -236,10 +236,9 @@ def unrolled_loss(head, tokens: torch.Tensor, features: torch.Tensor, final: tor
         p, t_logits = p_all[rows], t_logits_all[rows]
         # the draft logits in float32 also under a bf16 autocast: rounding logits of size ~10-20 to bf16 (steps of
         # 0.06-0.125) moves q by 3-6%, as much as the acceptance differences the loss has to resolve
-        with torch.autocast("cpu", enabled=False):
-            normed = norm(g)
-            wide = torch.promote_types(normed.dtype, torch.float32)
-            logits = F.linear(normed.to(wide), head_weight.to(wide))
+        with torch.autocast("cpu", enabled=False):  # g itself is cast first: the norm keeps its input's dtype
+            wide = torch.promote_types(g.dtype, torch.float32)
+            logits = F.linear(norm(g.to(wide)), head_weight.to(wide))
         if divergence == "fkl":  # KL(p || q) = cross-entropy(p, q) - H(p): one fused soft-label cross-entropy
             div = F.cross_entropy(logits, p) + neg_entropy_all[rows].mean()
         else:  # TV(p, q) = 1 - sum_x min(p, q); its gradient flows through q where q < p
