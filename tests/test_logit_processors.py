@@ -423,9 +423,9 @@ def test_gbv_tree_nodes_see_their_paths(monkeypatch):
     original_round = engine._gbv_round
     original = loop_mod.kernels.verify_paths
 
-    def round_spy(kv, histories):
+    def round_spy(kv, histories, remaining):
         rounds.append([list(h) for h in histories])
-        return original_round(kv, histories)
+        return original_round(kv, histories, remaining)
 
     def spy(rule, candidates, target_probs, draft_probs, *args, **kwargs):
         records.append((candidates.clone(), target_probs.clone(), draft_probs.clone()))
@@ -437,13 +437,14 @@ def test_gbv_tree_nodes_see_their_paths(monkeypatch):
     engine.generate([prompt], 8, seeds=[1])
     assert len(records) >= 2
     for (committed,), (candidates, target_probs, draft_probs) in zip(rounds, records):
+        depth = candidates.shape[2] - 1  # 2, or 1 in a round with 2 tokens left (the tree fits the room)
         for k in range(3):
             path = candidates[0, k, 1:].tolist()
-            contexts = [committed + path[:i] for i in range(3)]
+            contexts = [committed + path[:i] for i in range(depth + 1)]
             torch.testing.assert_close(target_probs[0, k], _fresh_rows(model, contexts, len(prompt), params, 16),
                                        atol=1e-5, rtol=1e-4)
-            torch.testing.assert_close(draft_probs[0, k], _fresh_rows(draft.model, contexts[:2], len(prompt), params, 16),
-                                       atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(draft_probs[0, k], _fresh_rows(draft.model, contexts[:depth], len(prompt), params,
+                                                                      16), atol=1e-5, rtol=1e-4)
 
 
 def test_engine_refuses_a_bias_outside_the_vocabulary(tiny_target):

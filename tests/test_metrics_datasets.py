@@ -134,9 +134,11 @@ def test_engine_report_and_json_count_tokens_emitted_before_eos_and_the_cap():
     target = loaded(tiny_llama(seed=0))
     draft = ModelDraft(self_draft(target, 2), greedy, 0, "self:2")
     res, report = _engine_report(target, draft, "gbv", 4, num_paths=2)
-    assert len(res.output_ids) == 4 and res.rounds[0].accepted == 5 and res.rounds[0].emitted == 4
+    # GBV drafts no more than the room left (4 tokens: 3 drafts and the bonus token)
+    assert len(res.output_ids) == 4 and res.rounds[0].num_drafted == 3 and res.rounds[0].accepted == 3
+    assert res.rounds[0].emitted == 4
     assert report["summary"]["acceptance_length"] == 4.0
-    assert report["summary"]["accept_rate_by_draft_position"] == [1.0, 1.0, 1.0, 1.0, None]
+    assert report["summary"]["accept_rate_by_draft_position"] == [1.0, 1.0, 1.0, None, None]
 
 
 def test_tokens_past_first_eos_and_the_ignore_eos_share():

@@ -16,6 +16,7 @@ from specadapt import kernels
 from specadapt.budget import CostTable
 from specadapt.budget.adaptive import AdaptiveVerification
 from specadapt.engine import NoDraft, SpeculativeEngine
+from specadapt.engine.drafts import path_step_counts
 from specadapt.engine.loop import Request
 from specadapt.engine.models import attach_forward
 from specadapt.engine.native import NativeLlama, SlotKVCache
@@ -161,3 +162,35 @@ def test_a_row_at_the_context_end_takes_no_draft_step_past_it():
     engine.close_batch()
     assert requests[0].result.output_ids == naive_greedy(target.model, full, 8)
     assert requests[1].result.output_ids == naive_greedy(target.model, short, 31)
+
+
+@pytest.mark.parametrize("kind", ["self:1", "eagle"])
+def test_a_gbv_request_at_the_context_end_verifies_no_tree_past_it(kind):
+    """GBV beside a request that fills the context window exactly: a round's tree is no deeper than the deepest
+    request's remaining room, a request with less room verifies (and drafts) only its own remaining drafts, so
+    neither the target's tree forward nor the draft steps past the RoPE table (a GBV round used to draft and score
+    the full depth L whatever the room: "position 32 outside the RoPE table (32)"). Greedy output equals
+    target-only output for both rows."""
+    target = loaded(tiny_llama(vocab=32, layers=2, seed=3, max_positions=32))
+    attach_forward(target, "native", "float32")
+    full = [(3 * i + 1) % 32 for i in range(24)]  # 24 + 8 = 32 positions: the window exactly
+    short = [7, 11]  # 2 + 30: keeps drafting 6 while the full row ends
+    engine = SpeculativeEngine(target, native_draft(target, kind), GREEDY, 6, "gbv", num_paths=2)
+    requests = [Request(full, 8, 0), Request(short, 30, 1)]
+    engine.open_batch()
+    engine.join(requests)
+    while engine.num_active:
+        engine.step()
+    engine.close_batch()
+    assert requests[0].result.output_ids == naive_greedy(target.model, full, 8)
+    assert requests[1].result.output_ids == naive_greedy(target.model, short, 30)
+    # the full row's last rounds drafted no more than its room: never more drafts than tokens left minus one
+    for request in requests:
+        done = 0
+        for record in request.result.rounds:
+            assert record.num_drafted <= max(request.max_new_tokens - done - 1, 0)
+            done += record.emitted
+    assert path_step_counts(torch.tensor([1, 3]), 2, 2).tolist() == [1, 1, 3, 3]  # request-major path rows
+    for bad in (torch.tensor([1, 2, 3]), torch.tensor([1, -1])):
+        with pytest.raises(ValueError, match="depths"):
+            path_step_counts(bad, 2, 2)

@@ -127,8 +127,15 @@ class Draft:
 
     supports_paths = False
 
-    def propose_paths(self, histories: list[list[int]], num_drafts: int, vocab_size: int, num_paths: int):
+    def propose_paths(self, histories: list[list[int]], num_drafts: int, vocab_size: int, num_paths: int,
+                      depths: torch.Tensor | None = None):
         """Propose ``num_paths`` i.i.d. paths of ``num_drafts`` tokens per request (for GBV).
+
+        Args:
+            depths: ``[B] int64`` or ``None``: request ``r`` needs only its first ``depths[r]`` drafts (its room
+                before the end of its output / context window); a model draft takes no step past them, so its
+                cache never writes a position past the window. Its positions past ``depths[r]`` hold token 0 and
+                zero probabilities, which the caller must not verify. ``None``: every request needs ``num_drafts``.
 
         Returns:
             ``(tokens [B, K, L] int64, probs [B, K, L, V] float32)``.
@@ -173,6 +180,21 @@ class Draft:
             raise ValueError(f"{rows} rows of logits do not lay out {len(per_request)} requests' settings")
         repeats = rows // len(per_request)
         return [p for p in per_request for _ in range(repeats)]
+
+
+def path_step_counts(depths: torch.Tensor | None, batch: int, num_paths: int) -> torch.Tensor | None:
+    """Drafts each path row needs, ``[B * K] int64`` laid out request-major (row ``b * K + k``), from
+    :meth:`Draft.propose_paths`' ``depths [B]`` (``None`` stays ``None``).
+
+    Raises:
+        ValueError: ``depths`` is not ``[B]`` or holds a negative count.
+    """
+    if depths is None:
+        return None
+    depths = torch.as_tensor(depths, dtype=torch.int64).cpu()
+    if depths.shape != (batch,) or bool((depths < 0).any()):
+        raise ValueError(f"depths must be [{batch}] non-negative counts, got {tuple(depths.shape)}")
+    return depths.repeat_interleave(num_paths)
 
 
 def apply_draft_filter(draft_filter, proposal: DraftProposal, step: int) -> bool:
@@ -346,11 +368,12 @@ class ModelDraft(Draft):
         logits = self.kv.forward(ids, counts)
         return logits[torch.arange(len(histories)), (counts - 1).clamp_min(0).to(logits.device)]
 
-    def propose_paths(self, histories, num_drafts, vocab_size, num_paths):
+    def propose_paths(self, histories, num_drafts, vocab_size, num_paths, depths=None):
         assert self.kv is not None, "start() must be called first"
         if num_drafts < 1 or num_paths < 1:
             raise ValueError("propose_paths needs num_drafts >= 1 and num_paths >= 1")
         batch = len(histories)
+        steps = path_step_counts(depths, batch, num_paths)
         self._committed_before = torch.tensor([len(h) for h in histories], dtype=torch.int64)
         self._drafts_fed = 0
         history = _step_history(self.history_counts, self.sampling)
@@ -366,13 +389,19 @@ class ModelDraft(Draft):
             if history is not None:
                 history = history.repeat_interleave(num_paths)  # row b * K + k: path k of request b
         for i in range(1, num_drafts):
-            step = self.kv.forward(tokens[:, :, i - 1].reshape(-1, 1), torch.ones(batch * num_paths, dtype=torch.int64))
+            live = None if steps is None else i < steps  # [B*K]: rows drafting position i
+            counts = torch.ones(batch * num_paths, dtype=torch.int64) if live is None else live.to(torch.int64)
+            step = self.kv.forward(tokens[:, :, i - 1].reshape(-1, 1), counts)
             if history is not None:
                 history.add_(tokens[:, :, i - 1].reshape(-1))  # committed + path k's drafts[:i]
             q = logits_to_probs_rows(step[:, -1], self.sampling_for_rows(batch * num_paths), history).cpu()  # [B*K, V]
             index = (i * num_paths + torch.arange(num_paths)).expand(batch, -1)
             coins = draft_coins(self, histories, index)  # [B, K]: one coin per path
-            tokens[:, :, i] = draw_tokens(q, coins.reshape(-1, 1)).reshape(batch, num_paths)
+            drawn = draw_tokens(q, coins.reshape(-1, 1))[:, 0]
+            if live is not None:  # a hole row's logits are not a distribution: zero its position
+                drawn = torch.where(live, drawn, torch.zeros_like(drawn))
+                q = q * live[:, None]
+            tokens[:, :, i] = drawn.reshape(batch, num_paths)
             probs[:, :, i] = q.reshape(batch, num_paths, -1)
             self._drafts_fed += 1
         return tokens, probs

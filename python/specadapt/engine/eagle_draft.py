@@ -15,7 +15,7 @@ import torch
 
 from ..sampling import SamplingParams, logits_to_probs_rows
 from .drafts import (Draft, DraftProposal, _step_history, apply_draft_filter, draft_coins, draw_tokens, empty_proposal,
-                     pad_token_lists, trim_proposal)
+                     pad_token_lists, path_step_counts, trim_proposal)
 from .eagle import EagleHead
 from .kv import RaggedKVCache
 from .pending import PendingFeatures
@@ -187,11 +187,12 @@ class EagleDraft(Draft):
             raise RuntimeError("EAGLE draft: the loop did not pass the round's target features")
         self._pending.append_one(features)
 
-    def propose_paths(self, histories, num_drafts, vocab_size, num_paths):
+    def propose_paths(self, histories, num_drafts, vocab_size, num_paths, depths=None):
         assert self.kv is not None, "start() must be called first"
         if num_drafts < 1 or num_paths < 1:
             raise ValueError("propose_paths needs num_drafts >= 1 and num_paths >= 1")
         batch = len(histories)
+        steps = path_step_counts(depths, batch, num_paths)
         g, logits, has_context = self._feed_pending(histories)
         if not bool(has_context.all()):
             raise ValueError("GBV with the EAGLE draft needs prompts of at least 2 tokens")
@@ -212,11 +213,15 @@ class EagleDraft(Draft):
             if history is not None:
                 history = history.repeat_interleave(num_paths)  # row b * K + k: path k of request b
         for i in range(1, num_drafts):
-            g, logits = self._step(tokens[:, :, i - 1].reshape(-1), g)
+            live = None if steps is None else i < steps  # [B*K]: rows drafting position i (the others: a hole)
+            g, logits = self._step(tokens[:, :, i - 1].reshape(-1), g, valid=live)
             if history is not None:
                 history.add_(tokens[:, :, i - 1].reshape(-1))
             index = (i * num_paths + torch.arange(num_paths)).expand(batch, -1)
             token, q = self._sample(logits, draft_coins(self, histories, index).reshape(-1, 1), history)
+            if live is not None:  # a hole row's logits are not a distribution: zero its position
+                token = torch.where(live[:, None], token, torch.zeros_like(token))
+                q = q * live[:, None]
             tokens[:, :, i] = token.reshape(batch, num_paths)
             probs[:, :, i].index_copy_(2, vocab, q.reshape(batch, num_paths, -1))
         return tokens, probs

@@ -456,8 +456,8 @@ class SpeculativeEngine:
         self.draft.row_sampling = (None if draft_default is None or isinstance(self._target_params, SamplingParams)
                                    else self._row_params(draft_default))
         plain = self._round_limit == 0 or (self._speculate is not None and not bool(self._speculate.any()))
-        if self.rule.multi_path and not plain:
-            accept_len, output_tokens, n_draft = self._gbv_round(kv, histories)
+        if self.rule.multi_path and not plain and int(remaining.max()) > 1:
+            accept_len, output_tokens, n_draft = self._gbv_round(kv, histories, remaining)
         else:
             accept_len, output_tokens, n_draft = self._single_path_round(kv, histories, remaining)
         # the host reads this round's tokens just below (a sync on CUDA anyway): read the verification kernels'
@@ -468,8 +468,8 @@ class SpeculativeEngine:
         for row_index, row in enumerate(self._rows):
             req, res = row.request, row.request.result
             tau = int(accept_len[row_index])
-            # GBV verifies L drafts whatever the remaining budget: keep at most the remaining tokens
-            # (a prefix of an exactly distributed sequence is exactly distributed).
+            # keep at most the remaining tokens (a round drafts at most remaining - 1, so this only guards; a prefix
+            # of an exactly distributed sequence is exactly distributed).
             emitted = output_tokens[row_index, : tau + 1].tolist()[: int(remaining[row_index])]
             if req.forced is not None:  # teacher forcing of another run's text (paired timing)
                 done_so_far = len(res.output_ids)
@@ -597,16 +597,29 @@ class SpeculativeEngine:
         self.draft.plain_round(histories, self.vocab_size, features)
         return verified.accept_len.to(torch.int64), verified.output_tokens, zeros
 
-    def _gbv_round(self, kv, histories: list[list[int]]):
+    def _gbv_round(self, kv, histories: list[list[int]], remaining: torch.Tensor):
         """One round of a multi-path rule (GBV): K sampled paths, merged into a token tree scored by ONE target
-        forward with a tree attention mask; the rule picks a path and verifies it; both caches keep only that path."""
+        forward with a tree attention mask; the rule picks a path and verifies it; both caches keep only that path.
+
+        ``remaining [B] int64``: tokens each request may still emit (at least 2 for one row). A request drafts
+        and verifies at most ``remaining - 1`` drafts (its room), the tree is no deeper than the deepest room, and
+        the positions of a request's nodes past its room are clamped to its room (the target computes them but
+        verification never reads them), so no forward runs past a context window that ``prompt +
+        max_new_tokens`` fills exactly. The room depends on committed tokens only: GBV on the capped prefixes
+        stays exact."""
         K, L = self.num_paths, self.num_draft_tokens
         if self._round_limit is not None:  # an adaptive verification probe round
             L = min(L, self._round_limit)
+        room = torch.clamp(remaining.to(torch.int64) - 1, min=0, max=L)  # [B]
+        L = int(room.max())
         self.draft.history_counts = self._counts
-        tokens, q = self.draft.propose_paths(histories, L, self.vocab_size, K)  # [B,K,L], [B,K,L,V]
+        short = bool((room < L).any())
+        tokens, q = self.draft.propose_paths(histories, L, self.vocab_size, K,
+                                             depths=room if short else None)  # [B,K,L], [B,K,L,V]
         batch = len(histories)
         caps, plan = self._gbv_caps(q, L)
+        if short:
+            caps = room if caps is None else torch.minimum(caps, room)
         if caps is not None and int(caps.max()) < L:  # no request verifies deeper: score a shallower tree
             L = max(int(caps.max()), 1)
             tokens, q = tokens[:, :, :L].contiguous(), q[:, :, :L].contiguous()
@@ -614,11 +627,12 @@ class SpeculativeEngine:
         last = torch.tensor([h[-1] for h in histories], dtype=torch.int64)
         ids = tree.node_tokens.clone()
         ids[:, 0] = last
+        positions = torch.minimum(tree.depth, room[:, None]) if short else tree.depth
         target_out = kv.forward(
             ids,
             tree.num_nodes,
             chunk_mask=tree.ancestor_mask,
-            chunk_positions=tree.depth,
+            chunk_positions=positions,
             return_outputs=True,
             **self._hidden_kwargs,
         )
