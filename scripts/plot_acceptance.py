@@ -1,10 +1,11 @@
 #!/usr/bin/env python
-"""Plot acceptance length against output position, one curve per `specadapt generate --json` file.
+"""Plot acceptance length against output (or context) position, one curve per `specadapt generate --json` file.
 
     python scripts/plot_acceptance.py results/tts_T1.0/*.json --out docs/figures/tts_acceptance.png
 
 x: the middle of each output-position bucket of the runs' ``summary.acceptance_by_position`` (choose fine
-buckets with ``--bucket-edges``); y: acceptance length (tokens per round) in that bucket. Needs matplotlib
+buckets with ``--bucket-edges``), or with ``--context`` of the long sessions' absolute context-position buckets
+(``specadapt generate --session N``); y: acceptance length (tokens per round) in that bucket. Needs matplotlib
 (``pip install specadapt[plot]``).
 """
 
@@ -21,6 +22,8 @@ from specadapt.cli.long_gen.plot import acceptance_curve as curve
 def name(report: dict, path: Path) -> str:
     c = report.get("config", {})
     text = c.get("draft", path.stem)
+    if text.startswith("eagle:"):  # a head file: its name, not its path
+        text = "eagle (" + Path(text[len("eagle:"):]).stem + ")"
     if c.get("tts"):
         text += f" + TTS S={c.get('tts_stride')}"
     return text
@@ -30,8 +33,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="+", type=Path, help="JSON files written by specadapt generate --json")
     ap.add_argument("--out", type=Path, required=True, help="PNG to write")
-    ap.add_argument("--title", default="acceptance length vs output position")
+    ap.add_argument("--title", default=None, help="default: acceptance length vs output / context position")
+    ap.add_argument("--context", action="store_true",
+                    help="x = absolute context position (reports of specadapt generate --session N)")
     args = ap.parse_args(argv)
+    axis = "context" if args.context else "output"
     try:
         import matplotlib
 
@@ -46,11 +52,15 @@ def main(argv=None) -> int:
             print(f"plot_acceptance: {path} does not exist", file=sys.stderr)
             return 2
         report = json.loads(path.read_text())
-        xs, ys = curve(report)
+        try:
+            xs, ys = curve(report, context=args.context)
+        except ValueError as exc:
+            print(f"plot_acceptance: {path}: {exc}", file=sys.stderr)
+            return 2
         ax.plot(xs, ys, marker="o", label=name(report, path))
-    ax.set_xlabel("output position (tokens)")
+    ax.set_xlabel(f"{axis} position (tokens)")
     ax.set_ylabel("acceptance length (tokens / round)")
-    ax.set_title(args.title)
+    ax.set_title(args.title or f"acceptance length vs {axis} position")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     args.out.parent.mkdir(parents=True, exist_ok=True)

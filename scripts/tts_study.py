@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """The Test-Time Speculation study: long generations with a draft, without and with TTS at several strides,
-beside the ngram draft and the target-only baseline; tabulated per output-position bucket.
+beside the ngram draft and the target-only baseline; tabulated per output-position bucket (per context-position
+bucket with ``--session``).
 
 Each setting is one `specadapt generate` run on the same prompts and sampling; the first (``ngram``) also runs
 the target-only baseline (``--baseline``), whose tokens/s every row's speedup uses. Example (docs/tts.md):
@@ -38,10 +39,25 @@ def _fmt(v, spec=".2f"):
     return "-" if v is None else format(v, spec)
 
 
-def bucket_acceptance(summary: dict, start: int, end: int) -> float | None:
-    """Acceptance length (tokens per round) over the fine buckets inside [start, end)."""
+def position_buckets(report: dict, context: bool = False) -> list[dict]:
+    """A report's acceptance buckets: by output position (``summary.acceptance_by_position``), or with ``context``
+    by absolute context position (``sessions.acceptance_by_context_position`` of a ``--session`` run).
+
+    Raises:
+        ValueError: ``context`` with a report that has no session buckets."""
+    if not context:
+        return report["summary"]["acceptance_by_position"]
+    sessions = report.get("sessions") or {}
+    if "acceptance_by_context_position" not in sessions:
+        raise ValueError("a --session table needs reports with sessions.acceptance_by_context_position")
+    return sessions["acceptance_by_context_position"]
+
+
+def bucket_acceptance(buckets: list[dict], start: int, end: int) -> float | None:
+    """Acceptance length (tokens per round) over the fine buckets (``[{start, end, rounds, acceptance_length}]``)
+    inside [start, end)."""
     rounds = tokens = 0.0
-    for b in summary["acceptance_by_position"]:
+    for b in buckets:
         if b["start"] >= start and (b["end"] or 10**9) <= end and b["rounds"]:
             rounds += b["rounds"]
             tokens += b["rounds"] * b["acceptance_length"]
@@ -60,8 +76,11 @@ def label(report: dict) -> str:
     return name
 
 
-def table(reports: list[dict], baseline_tps: float | None, buckets=TABLE_BUCKETS) -> str:
-    head = ("| setting | acc. len | " + " | ".join(f"[{a}, {b})" for a, b in buckets)
+def table(reports: list[dict], baseline_tps: float | None, buckets=TABLE_BUCKETS, context: bool = False) -> str:
+    """Markdown table, one row per report; bucket columns by output position, or by context position
+    (``context``, long sessions)."""
+    where = "context" if context else "output"
+    head = ("| setting | acc. len | " + " | ".join(f"{where} [{a}, {b})" for a, b in buckets)
             + " | tok/s | speedup vs target-only | repeat rate | tokens past first EOS | updates / skipped / rollbacks"
               " | publish wait s | TTS MB (x trainable) |")
     lines = [head, "|" + "---|" * (9 + len(buckets))]
@@ -79,7 +98,7 @@ def table(reports: list[dict], baseline_tps: float | None, buckets=TABLE_BUCKETS
         speedup = tps / baseline_tps if tps and baseline_tps else None
         lines.append(
             f"| {label(r)} | {_fmt(s['acceptance_length'])} | "
-            + " | ".join(_fmt(bucket_acceptance(s, a, b)) for a, b in buckets)
+            + " | ".join(_fmt(bucket_acceptance(position_buckets(r, context), a, b)) for a, b in buckets)
             + f" | {_fmt(tps, '.1f')} | {_fmt(speedup)} | {_fmt(s['ngram_repeat_rate'])} | "
             f"{_fmt(s.get('share_past_first_eos'), '.1%')} | {counts} | {wait} | {memory} |"
         )
@@ -130,12 +149,12 @@ def main() -> int:
             subprocess.run(cmd, check=True)
         reports.append(json.loads(path.read_text()))
     baseline = next((r["summary"]["baseline_tokens_per_s"] for r in reports if r["summary"].get("baseline_tokens_per_s")), None)
-    md = table(reports, baseline, SESSION_BUCKETS if args.session else TABLE_BUCKETS)
+    md = table(reports, baseline, SESSION_BUCKETS if args.session else TABLE_BUCKETS, context=bool(args.session))
     (out / "table.md").write_text(md + "\n")
     print(md)
     plot = Path(__file__).with_name("plot_acceptance.py")
     subprocess.run([sys.executable, str(plot), *[str(out / f"{n}.json") for n, _ in settings],
-                    "--out", str(out / "acceptance.png"), "--title",
+                    "--out", str(out / "acceptance.png"), *(["--context"] if args.session else []), "--title",
                     f"{args.dataset}, T={args.temperature}, L={args.num_draft_tokens}, "
                     + (f"{args.session} sessions" if args.session else f"{args.limit} prompts")], check=True)
     return 0

@@ -39,6 +39,11 @@ def test_plot_writes_png(tmp_path):
     assert out.stat().st_size > 1000
     assert plot.curve(_report([2.0, 1.5, 1.2])) == ([128.0, 384.0, 768.0], [2.0, 1.5, 1.2])
     assert plot.main([str(tmp_path / "missing.json"), "--out", str(out)]) == 2
+    assert plot.main([files[0], "--out", str(out), "--context"]) == 2  # no session buckets: a clear error
+    session = _report([2.0, 1.5, 1.2])
+    session["sessions"] = {"acceptance_by_context_position": [{"start": 4096, "end": 8192, "rounds": 3,
+                                                               "acceptance_length": 1.7}]}
+    assert plot.curve(session, context=True) == ([6144.0], [1.7])
 
 
 def test_study_bucket_aggregation_weights_by_rounds():
@@ -48,8 +53,21 @@ def test_study_bucket_aggregation_weights_by_rounds():
         {"start": 256, "end": 512, "rounds": 30, "acceptance_length": 1.0},
         {"start": 512, "end": 1024, "rounds": 0, "acceptance_length": None},
     ]}
-    assert study.bucket_acceptance(summary, 0, 512) == pytest.approx((20 + 30) / 40)
-    assert study.bucket_acceptance(summary, 512, 1024) is None
+    buckets = summary["acceptance_by_position"]
+    assert study.bucket_acceptance(buckets, 0, 512) == pytest.approx((20 + 30) / 40)
+    assert study.bucket_acceptance(buckets, 512, 1024) is None
+    # a --session table buckets by context position, from the sessions' own buckets
+    context = [{"start": 0, "end": 512, "rounds": 4, "acceptance_length": 3.0}]
+    report = {"config": {"draft": "eagle"}, "summary": dict(summary, acceptance_length=1.5, tokens_per_s=10.0,
+                                                              ngram_repeat_rate=0.1),
+              "sessions": {"acceptance_by_context_position": context}}
+    assert study.position_buckets(report, context=True) == context
+    by_context = study.table([report], 20.0, [(0, 512)], context=True)
+    assert "| context [0, 512) |" in by_context and "| eagle | 1.50 | 3.00 | 10.0 | 0.50 |" in by_context
+    by_output = study.table([report], 20.0, [(0, 512)])
+    assert "| output [0, 512) |" in by_output and "| eagle | 1.50 | 1.25 | 10.0 | 0.50 |" in by_output
+    with pytest.raises(ValueError, match="session"):
+        study.position_buckets({"summary": summary}, context=True)
     assert study.label({"config": {"draft": "eagle", "tts": True, "tts_stride": 2, "tts_params": "lora"}}) == "eagle + TTS S=2 (LoRA)"
 
 

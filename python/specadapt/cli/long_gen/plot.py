@@ -6,16 +6,30 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def acceptance_curve(report: dict) -> tuple[list[float], list[float]]:
+def acceptance_curve(report: dict, context: bool = False) -> tuple[list[float], list[float]]:
     """Acceptance length vs output position of a report (``specadapt generate --json`` or this benchmark's).
+
+    Args:
+        context: use the long sessions' buckets by absolute context position
+            (``sessions.acceptance_by_context_position`` of ``specadapt generate --session N``) instead.
 
     Returns:
         ``(xs, ys)``: the middle of each output-position bucket of ``summary.acceptance_by_position`` that has
         rounds and a known acceptance length (an open last bucket ``[start, None)`` counts as ``[start, 2 start)``),
         and that bucket's acceptance length (tokens per round).
+
+    Raises:
+        ValueError: ``context`` with a report that has no session buckets.
     """
+    if context:
+        sessions = report.get("sessions") or {}
+        if "acceptance_by_context_position" not in sessions:
+            raise ValueError("context=True needs a report of `specadapt generate --session N` (no session buckets)")
+        buckets = sessions["acceptance_by_context_position"]
+    else:
+        buckets = report["summary"]["acceptance_by_position"]
     xs, ys = [], []
-    for b in report["summary"]["acceptance_by_position"]:
+    for b in buckets:
         if b["rounds"] and b["acceptance_length"] is not None:
             end = b["end"] if b["end"] is not None else b["start"] * 2
             xs.append((b["start"] + end) / 2)

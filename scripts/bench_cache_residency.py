@@ -1,0 +1,68 @@
+#!/usr/bin/env python
+"""How much of a target forward's speed is the CPU cache holding its weights: the forward of q tokens timed
+back to back ("warm": the weights of the previous forward are still in the last-level cache) and after a copy
+that evicts the cache ("flushed": each forward reads its weights from memory, as when a draft forward, sampling
+and Python ran in between).
+
+    python scripts/bench_cache_residency.py --queries 1 2 6 --context 400 --flush-mb 600
+
+On a VM that reports a last-level cache larger than the quantised model (the AMX Xeon of docs/native_forward.md
+reports 480 MB of L3 against ~96 MB of int4 weights) the warm figure can sit below the copy-bandwidth floor, so
+a forward inside a speculative round costs more than the same forward in a microbenchmark loop. Prints the CPU
+and the median ms of each setting; run nothing else on the machine meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="auto", help="weight format (auto = the engine's default)")
+    ap.add_argument("--queries", type=int, nargs="+", default=[1, 2, 6], help="query tokens per forward")
+    ap.add_argument("--context", type=int, default=400, help="cached positions before the timed forwards")
+    ap.add_argument("--flush-mb", type=int, default=600, help="bytes copied between flushed forwards (MB)")
+    ap.add_argument("--repeats", type=int, default=40)
+    args = ap.parse_args()
+    if min(args.queries) < 1 or args.context < 1 or args.flush_mb < 1 or args.repeats < 1:
+        ap.error("--queries, --context, --flush-mb and --repeats must be positive")
+    import torch
+
+    from specadapt.bench.forward import cpu_name
+    from specadapt.cli.engine_args import load_target_and_draft
+    from specadapt.sampling import SamplingParams
+
+    target, _ = load_target_and_draft(args.model, "none", SamplingParams(1.0), 0, args.dtype, "cpu", forward="native")
+    kv = target.new_cache(1, capacity=args.context + max(args.queries) + 16)
+    kv.forward(torch.randint(0, 1000, (1, args.context)), torch.tensor([args.context]))
+    source = torch.empty(args.flush_mb * 2**20 // 4)
+    sink = torch.empty_like(source)
+
+    def median_ms(q: int, flush: bool) -> float:
+        times = []
+        for _ in range(args.repeats):
+            if flush:
+                sink.copy_(source)
+            start = time.perf_counter()
+            kv.forward(torch.randint(0, 1000, (1, q)), torch.tensor([q]))
+            times.append(time.perf_counter() - start)
+            kv.truncate(kv.lengths.cpu() - q)
+        return 1e3 * statistics.median(times)
+
+    print(f"{cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{args.model} native {target.weight_format}, "
+          f"context {args.context}")
+    print(f"{'q':>3s} {'warm ms':>9s} {'flushed ms':>11s} {'flushed / warm':>15s}")
+    for q in args.queries:
+        warm, flushed = median_ms(q, False), median_ms(q, True)
+        print(f"{q:3d} {warm:9.2f} {flushed:11.2f} {flushed / warm:15.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
