@@ -7,9 +7,11 @@ and Python ran in between).
     python scripts/bench_cache_residency.py --queries 1 2 6 --context 400 --flush-mb 600
 
 On a VM that reports a last-level cache larger than the quantised model (the AMX Xeon of docs/native_forward.md
-reports 480 MB of L3 against ~96 MB of int4 weights) the warm figure can sit below the copy-bandwidth floor, so
-a forward inside a speculative round costs more than the same forward in a microbenchmark loop. Prints the CPU
-and the median ms of each setting; run nothing else on the machine meanwhile.
+reports 480 MB of L3 against 96 MB of int4 weights) the warm figure runs far below the flushed one, so a forward
+inside a speculative round costs more than the same forward in a microbenchmark loop. Prints the CPU,
+the machine's copy bandwidth measured in the same run, the weight floor of one forward (the native weights'
+bytes at that rate) and the median ms of each setting with its ratio to the floor; run nothing else on the
+machine meanwhile.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def main() -> int:
         ap.error("--queries, --context, --flush-mb and --repeats must be positive")
     import torch
 
-    from specadapt.bench.forward import cpu_name
+    from specadapt.bench.forward import cpu_name, measure_machine
     from specadapt.cli.engine_args import load_target_and_draft
     from specadapt.sampling import SamplingParams
 
@@ -54,13 +56,17 @@ def main() -> int:
             kv.truncate(kv.lengths.cpu() - q)
         return 1e3 * statistics.median(times)
 
+    machine = measure_machine("cpu")
+    weight_mb = target.native.weight_bytes / 1e6
+    floor_ms = weight_mb / machine["copy_gbps"]  # MB / (GB/s) = ms
     print(f"{cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{args.model} native {target.weight_format}, "
-          f"context {args.context}")
-    print(f"{'q':>3s} {'warm ms':>9s} {'flushed ms':>11s} {'flushed / warm':>15s}")
+          f"{args.model} native {target.weight_format} ({weight_mb:.0f} MB of weights), context {args.context}; "
+          f"copy {machine['copy_gbps']:.1f} GB/s -> weight floor {floor_ms:.2f} ms")
+    print(f"{'q':>3s} {'warm ms':>9s} {'(x floor)':>9s} {'flushed ms':>11s} {'(x floor)':>9s} {'flushed / warm':>15s}")
     for q in args.queries:
         warm, flushed = median_ms(q, False), median_ms(q, True)
-        print(f"{q:3d} {warm:9.2f} {flushed:11.2f} {flushed / warm:15.2f}")
+        print(f"{q:3d} {warm:9.2f} {warm / floor_ms:8.2f}x {flushed:11.2f} {flushed / floor_ms:8.2f}x "
+              f"{flushed / warm:15.2f}")
     return 0
 
 

@@ -17,16 +17,7 @@ import sys
 from pathlib import Path
 
 from specadapt.cli.long_gen.plot import acceptance_curve as curve
-
-
-def name(report: dict, path: Path) -> str:
-    c = report.get("config", {})
-    text = c.get("draft", path.stem)
-    if text.startswith("eagle:"):  # a head file: its name, not its path
-        text = "eagle (" + Path(text[len("eagle:"):]).stem + ")"
-    if c.get("tts"):
-        text += f" + TTS S={c.get('tts_stride')}"
-    return text
+from specadapt.cli.long_gen.plot import setting_label
 
 
 def main(argv=None) -> int:
@@ -57,7 +48,7 @@ def main(argv=None) -> int:
         except ValueError as exc:
             print(f"plot_acceptance: {path}: {exc}", file=sys.stderr)
             return 2
-        ax.plot(xs, ys, marker="o", label=name(report, path))
+        ax.plot(xs, ys, marker="o", label=setting_label(report, path.stem))
     ax.set_xlabel(f"{axis} position (tokens)")
     ax.set_ylabel("acceptance length (tokens / round)")
     ax.set_title(args.title or f"acceptance length vs {axis} position")

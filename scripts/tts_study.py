@@ -29,6 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from specadapt.cli.long_gen.plot import acceptance_buckets, setting_label
+
 TABLE_BUCKETS = [(0, 512), (512, 1024), (1024, 2048), (2048, 4096)]
 FINE_EDGES = "0,256,512,768,1024,1536,2048,2560,3072,3584,4096,8192"
 SESSION_BUCKETS = [(0, 512), (512, 1024), (1024, 2048), (2048, 4096), (4096, 8192)]
@@ -37,20 +39,6 @@ SESSION_EDGES = "0,512,1024,2048,4096,8192"
 
 def _fmt(v, spec=".2f"):
     return "-" if v is None else format(v, spec)
-
-
-def position_buckets(report: dict, context: bool = False) -> list[dict]:
-    """A report's acceptance buckets: by output position (``summary.acceptance_by_position``), or with ``context``
-    by absolute context position (``sessions.acceptance_by_context_position`` of a ``--session`` run).
-
-    Raises:
-        ValueError: ``context`` with a report that has no session buckets."""
-    if not context:
-        return report["summary"]["acceptance_by_position"]
-    sessions = report.get("sessions") or {}
-    if "acceptance_by_context_position" not in sessions:
-        raise ValueError("a --session table needs reports with sessions.acceptance_by_context_position")
-    return sessions["acceptance_by_context_position"]
 
 
 def bucket_acceptance(buckets: list[dict], start: int, end: int) -> float | None:
@@ -62,18 +50,6 @@ def bucket_acceptance(buckets: list[dict], start: int, end: int) -> float | None
             rounds += b["rounds"]
             tokens += b["rounds"] * b["acceptance_length"]
     return tokens / rounds if rounds else None
-
-
-def label(report: dict) -> str:
-    c = report["config"]
-    name = c["draft"]
-    if name.startswith("eagle:"):
-        name = "eagle (" + Path(name[len("eagle:"):]).stem + ")"
-    if c.get("tts"):
-        name += f" + TTS S={c['tts_stride']}"
-        if c.get("tts_params") == "lora":
-            name += " (LoRA)"
-    return name
 
 
 def table(reports: list[dict], baseline_tps: float | None, buckets=TABLE_BUCKETS, context: bool = False) -> str:
@@ -97,8 +73,8 @@ def table(reports: list[dict], baseline_tps: float | None, buckets=TABLE_BUCKETS
         tps = s["tokens_per_s"]
         speedup = tps / baseline_tps if tps and baseline_tps else None
         lines.append(
-            f"| {label(r)} | {_fmt(s['acceptance_length'])} | "
-            + " | ".join(_fmt(bucket_acceptance(position_buckets(r, context), a, b)) for a, b in buckets)
+            f"| {setting_label(r)} | {_fmt(s['acceptance_length'])} | "
+            + " | ".join(_fmt(bucket_acceptance(acceptance_buckets(r, context), a, b)) for a, b in buckets)
             + f" | {_fmt(tps, '.1f')} | {_fmt(speedup)} | {_fmt(s['ngram_repeat_rate'])} | "
             f"{_fmt(s.get('share_past_first_eos'), '.1%')} | {counts} | {wait} | {memory} |"
         )

@@ -148,18 +148,12 @@ def test_a_row_at_the_context_end_takes_no_draft_step_past_it():
     """A request that fills the context window exactly (prompt + max_new_tokens = the RoPE table) beside one that
     keeps drafting: the full row drafts nothing in its last rounds, and its head must not step past the window
     (the batch's longer drafts used to step every row: "position 32 outside the RoPE table (32)")."""
-    target = loaded(tiny_llama(vocab=32, layers=2, seed=3, max_positions=32))
-    attach_forward(target, "native", "float32")
+    target = _window_target()
     full = [(3 * i + 1) % 32 for i in range(24)]  # 24 + 8 = 32 positions: the window exactly
     short = [7]  # 1 + 31: keeps drafting 6 while the full row ends
     draft = native_draft(target, "eagle")
     engine = SpeculativeEngine(target, draft, GREEDY, 6, "chain")
-    requests = [Request(full, 8, 0), Request(short, 31, 1)]
-    engine.open_batch()
-    engine.join(requests)
-    while engine.num_active:
-        engine.step()
-    engine.close_batch()
+    requests = _run_together(engine, [Request(full, 8, 0), Request(short, 31, 1)])
     assert requests[0].result.output_ids == naive_greedy(target.model, full, 8)
     assert requests[1].result.output_ids == naive_greedy(target.model, short, 31)
 
@@ -171,17 +165,11 @@ def test_a_gbv_request_at_the_context_end_verifies_no_tree_past_it(kind):
     neither the target's tree forward nor the draft steps past the RoPE table (a GBV round used to draft and score
     the full depth L whatever the room: "position 32 outside the RoPE table (32)"). Greedy output equals
     target-only output for both rows."""
-    target = loaded(tiny_llama(vocab=32, layers=2, seed=3, max_positions=32))
-    attach_forward(target, "native", "float32")
+    target = _window_target()
     full = [(3 * i + 1) % 32 for i in range(24)]  # 24 + 8 = 32 positions: the window exactly
     short = [7, 11]  # 2 + 30: keeps drafting 6 while the full row ends
     engine = SpeculativeEngine(target, native_draft(target, kind), GREEDY, 6, "gbv", num_paths=2)
-    requests = [Request(full, 8, 0), Request(short, 30, 1)]
-    engine.open_batch()
-    engine.join(requests)
-    while engine.num_active:
-        engine.step()
-    engine.close_batch()
+    requests = _run_together(engine, [Request(full, 8, 0), Request(short, 30, 1)])
     assert requests[0].result.output_ids == naive_greedy(target.model, full, 8)
     assert requests[1].result.output_ids == naive_greedy(target.model, short, 30)
     # the full row's last rounds drafted no more than its room: never more drafts than tokens left minus one
@@ -190,7 +178,48 @@ def test_a_gbv_request_at_the_context_end_verifies_no_tree_past_it(kind):
         for record in request.result.rounds:
             assert record.num_drafted <= max(request.max_new_tokens - done - 1, 0)
             done += record.emitted
+
+
+def test_path_step_counts_lays_out_request_major_rows_and_refuses_bad_depths():
     assert path_step_counts(torch.tensor([1, 3]), 2, 2).tolist() == [1, 1, 3, 3]  # request-major path rows
+    assert path_step_counts(None, 2, 2) is None
     for bad in (torch.tensor([1, 2, 3]), torch.tensor([1, -1])):
         with pytest.raises(ValueError, match="depths"):
             path_step_counts(bad, 2, 2)
+
+
+def test_gbv_rounds_capped_by_the_room_follow_the_target_law():
+    """Sampled GBV where requests have different room (max_new_tokens 2 beside 3, L = 3): every first round is
+    capped per request (depths, hole rows in the draft, clamped tree positions); the first two tokens of every
+    request follow the exact target joint law (chi-square)."""
+    model = tiny_llama(vocab=8, layers=2, seed=4, init_std=0.3)
+    target = loaded(model)
+    attach_forward(target, "native", "float32")
+    params = SamplingParams(1.0)
+    prompt = [1, 2, 3, 1, 2]
+    engine = SpeculativeEngine(target, native_draft(target, "self:1", params), params, 3, "gbv", seed=3,
+                               num_paths=2)
+    n_req = 4000
+    requests = _run_together(engine, [Request(prompt, 2 + i % 2, i) for i in range(n_req)])
+    short = [r for r in requests if r.max_new_tokens == 2]
+    assert all(r.result.rounds[0].num_drafted <= 1 for r in short)
+    assert any(r.result.rounds[0].num_drafted == 2 for r in requests if r.max_new_tokens == 3)
+    assert any(r.result.rounds[0].accepted > 0 for r in short), "no draft accepted: the test would be vacuous"
+    assert_first_tokens_follow([r.result for r in requests], _exact_joint(model, prompt, params, 2), n_req)
+
+
+def _window_target():
+    """A native target whose RoPE table (context window) is 32 positions."""
+    target = loaded(tiny_llama(vocab=32, layers=2, seed=3, max_positions=32))
+    attach_forward(target, "native", "float32")
+    return target
+
+
+def _run_together(engine, requests):
+    """Run ``requests`` as one batch until every one finishes; returns them (results filled in)."""
+    engine.open_batch()
+    engine.join(requests)
+    while engine.num_active:
+        engine.step()
+    engine.close_batch()
+    return requests

@@ -9,6 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from specadapt.cli.long_gen.plot import acceptance_buckets, setting_label
+
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
@@ -61,14 +63,16 @@ def test_study_bucket_aggregation_weights_by_rounds():
     report = {"config": {"draft": "eagle"}, "summary": dict(summary, acceptance_length=1.5, tokens_per_s=10.0,
                                                               ngram_repeat_rate=0.1),
               "sessions": {"acceptance_by_context_position": context}}
-    assert study.position_buckets(report, context=True) == context
+    assert acceptance_buckets(report, context=True) == context
     by_context = study.table([report], 20.0, [(0, 512)], context=True)
     assert "| context [0, 512) |" in by_context and "| eagle | 1.50 | 3.00 | 10.0 | 0.50 |" in by_context
     by_output = study.table([report], 20.0, [(0, 512)])
     assert "| output [0, 512) |" in by_output and "| eagle | 1.50 | 1.25 | 10.0 | 0.50 |" in by_output
     with pytest.raises(ValueError, match="session"):
-        study.position_buckets({"summary": summary}, context=True)
-    assert study.label({"config": {"draft": "eagle", "tts": True, "tts_stride": 2, "tts_params": "lora"}}) == "eagle + TTS S=2 (LoRA)"
+        acceptance_buckets({"summary": summary}, context=True)
+    assert setting_label({"config": {"draft": "eagle", "tts": True, "tts_stride": 2, "tts_params": "lora"}}) == "eagle + TTS S=2 (LoRA)"
+    assert setting_label({"config": {"draft": "eagle:runs/old_head.safetensors"}}) == "eagle (old_head)"
+    assert setting_label({}, "fallback") == "fallback"
 
 
 class _FakeEngine:

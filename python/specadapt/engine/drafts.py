@@ -197,6 +197,21 @@ def path_step_counts(depths: torch.Tensor | None, batch: int, num_paths: int) ->
     return depths.repeat_interleave(num_paths)
 
 
+def zero_hole_rows(tokens: torch.Tensor, probs: torch.Tensor, live: torch.Tensor | None):
+    """A path step's draws with the rows that did not draft it (``live [R] bool`` False: past their depth, their
+    logits came from a hole) set to token 0 and zero probabilities; ``live=None`` returns them unchanged.
+
+    Args:
+        tokens: ``[R] or [R, 1] int64`` drawn ids; probs: ``[R, V'] float32`` their rows' probabilities.
+    Returns:
+        ``(tokens, probs)`` of the same shapes.
+    """
+    if live is None:
+        return tokens, probs
+    mask = live.reshape(-1, *([1] * (tokens.dim() - 1)))
+    return torch.where(mask, tokens, torch.zeros_like(tokens)), probs * live[:, None]
+
+
 def apply_draft_filter(draft_filter, proposal: DraftProposal, step: int) -> bool:
     """Apply ``draft_filter`` after position ``step`` was drafted: ``num_tokens = min(num_tokens, caps)`` with
     ``caps [B] int64 = draft_filter(step, probs [B, step+1, V], num_tokens [B])`` (e.g.
@@ -397,10 +412,7 @@ class ModelDraft(Draft):
             q = logits_to_probs_rows(step[:, -1], self.sampling_for_rows(batch * num_paths), history).cpu()  # [B*K, V]
             index = (i * num_paths + torch.arange(num_paths)).expand(batch, -1)
             coins = draft_coins(self, histories, index)  # [B, K]: one coin per path
-            drawn = draw_tokens(q, coins.reshape(-1, 1))[:, 0]
-            if live is not None:  # a hole row's logits are not a distribution: zero its position
-                drawn = torch.where(live, drawn, torch.zeros_like(drawn))
-                q = q * live[:, None]
+            drawn, q = zero_hole_rows(draw_tokens(q, coins.reshape(-1, 1)), q, live)
             tokens[:, :, i] = drawn.reshape(batch, num_paths)
             probs[:, :, i] = q.reshape(batch, num_paths, -1)
             self._drafts_fed += 1

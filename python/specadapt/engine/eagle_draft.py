@@ -15,7 +15,7 @@ import torch
 
 from ..sampling import SamplingParams, logits_to_probs_rows
 from .drafts import (Draft, DraftProposal, _step_history, apply_draft_filter, draft_coins, draw_tokens, empty_proposal,
-                     pad_token_lists, path_step_counts, trim_proposal)
+                     pad_token_lists, path_step_counts, trim_proposal, zero_hole_rows)
 from .eagle import EagleHead
 from .kv import RaggedKVCache
 from .pending import PendingFeatures
@@ -136,9 +136,10 @@ class EagleDraft(Draft):
         return self.head.draft_vocab.cpu()[picks], q
 
     def _step(self, tokens: torch.Tensor, g: torch.Tensor, valid: torch.Tensor | None = None):
-        """One draft step of every row (``valid [R] bool``: only these rows; the others get a hole, so a row that
-        drafts fewer tokens than the batch's longest never writes past its own drafts, e.g. past the end of the
-        context window)."""
+        """One draft step of every row: ``tokens [R] int64`` (the rows' last drafts) and ``g [R, h]`` (the head's
+        outputs before them) -> ``(g [R, h], logits [R, Vd] float32)``. ``valid [R] bool``: only these rows step;
+        the others get a hole (their outputs are meaningless), so a row that drafts fewer tokens than the batch's
+        longest never writes past its own drafts, e.g. past the end of the context window."""
         num_valid = torch.ones(tokens.shape[0], dtype=torch.int64) if valid is None else valid.to(torch.int64)
         out = self.kv.forward(tokens[:, None], num_valid, return_outputs=True, features=g[:, None])
         return out.hidden[:, -1], out.logits[:, -1].float()
@@ -218,10 +219,8 @@ class EagleDraft(Draft):
             if history is not None:
                 history.add_(tokens[:, :, i - 1].reshape(-1))
             index = (i * num_paths + torch.arange(num_paths)).expand(batch, -1)
-            token, q = self._sample(logits, draft_coins(self, histories, index).reshape(-1, 1), history)
-            if live is not None:  # a hole row's logits are not a distribution: zero its position
-                token = torch.where(live[:, None], token, torch.zeros_like(token))
-                q = q * live[:, None]
+            token, q = zero_hole_rows(*self._sample(logits, draft_coins(self, histories, index).reshape(-1, 1), history),
+                                      live)
             tokens[:, :, i] = token.reshape(batch, num_paths)
             probs[:, :, i].index_copy_(2, vocab, q.reshape(batch, num_paths, -1))
         return tokens, probs

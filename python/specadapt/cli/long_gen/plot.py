@@ -6,28 +6,50 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def acceptance_curve(report: dict, context: bool = False) -> tuple[list[float], list[float]]:
-    """Acceptance length vs output position of a report (``specadapt generate --json`` or this benchmark's).
-
-    Args:
-        context: use the long sessions' buckets by absolute context position
-            (``sessions.acceptance_by_context_position`` of ``specadapt generate --session N``) instead.
-
-    Returns:
-        ``(xs, ys)``: the middle of each output-position bucket of ``summary.acceptance_by_position`` that has
-        rounds and a known acceptance length (an open last bucket ``[start, None)`` counts as ``[start, 2 start)``),
-        and that bucket's acceptance length (tokens per round).
+def acceptance_buckets(report: dict, context: bool = False) -> list[dict]:
+    """A report's acceptance buckets ``[{start, end, rounds, acceptance_length}]``: by output position
+    (``summary.acceptance_by_position``), or with ``context`` by absolute context position
+    (``sessions.acceptance_by_context_position`` of ``specadapt generate --session N``).
 
     Raises:
         ValueError: ``context`` with a report that has no session buckets.
     """
-    if context:
-        sessions = report.get("sessions") or {}
-        if "acceptance_by_context_position" not in sessions:
-            raise ValueError("context=True needs a report of `specadapt generate --session N` (no session buckets)")
-        buckets = sessions["acceptance_by_context_position"]
-    else:
-        buckets = report["summary"]["acceptance_by_position"]
+    if not context:
+        return report["summary"]["acceptance_by_position"]
+    sessions = report.get("sessions") or {}
+    if "acceptance_by_context_position" not in sessions:
+        raise ValueError("context-position buckets need a report of `specadapt generate --session N`")
+    return sessions["acceptance_by_context_position"]
+
+
+def setting_label(report: dict, fallback: str = "?") -> str:
+    """A report's setting in words: its draft (a head file by its name, not its path), ``+ TTS S=<stride>`` and
+    ``(LoRA)`` where it trained one; ``fallback`` when the report names no draft."""
+    c = report.get("config", {})
+    name = c.get("draft", fallback)
+    if name.startswith("eagle:"):
+        name = "eagle (" + Path(name[len("eagle:"):]).stem + ")"
+    if c.get("tts"):
+        name += f" + TTS S={c.get('tts_stride')}"
+        if c.get("tts_params") == "lora":
+            name += " (LoRA)"
+    return name
+
+
+def acceptance_curve(report: dict, context: bool = False) -> tuple[list[float], list[float]]:
+    """Acceptance length vs output position of a report (``specadapt generate --json`` or this benchmark's).
+
+    Args:
+        context: use the long sessions' buckets by absolute context position instead (:func:`acceptance_buckets`).
+
+    Returns:
+        ``(xs, ys)``: the middle of each bucket that has rounds and a known acceptance length (an open last bucket
+        ``[start, None)`` counts as ``[start, 2 start)``), and that bucket's acceptance length (tokens per round).
+
+    Raises:
+        ValueError: ``context`` with a report that has no session buckets.
+    """
+    buckets = acceptance_buckets(report, context)
     xs, ys = [], []
     for b in buckets:
         if b["rounds"] and b["acceptance_length"] is not None:
