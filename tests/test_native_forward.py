@@ -287,3 +287,79 @@ def test_unsupported_architectures_are_refused_by_name():
         NativeLlama.from_hf(model, "float32")
     with pytest.raises(ValueError, match="dtype"):
         NativeLlama.from_hf(tiny("llama"), "int3")
+
+
+@pytest.mark.skipif(not HAS_KERNELS, reason="specadapt._C built without the native kernels")
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_row_operations_on_every_instruction_set_equal_the_reference(family, monkeypatch):
+    """The per-token row operations (RMS norms, q/k norms, q/k/v biases, RoPE, the SiLU product, residual adds;
+    csrc/cpu/native_rowops.cpp) on each vector path this CPU has, with widths that leave vector tails (hidden 72,
+    intermediate 600: a 256-float exp chunk plus 88), against the PyTorch reference."""
+    import transformers
+
+    ops = torch.ops.specadapt
+    config_cls, model_cls = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+                             "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[family]
+    hidden = 72 if family == "qwen3" else 64  # Qwen2's head_dim is hidden / heads (16 on the vector paths)
+    config = config_cls(vocab_size=96, hidden_size=hidden, intermediate_size=600, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                        tie_word_embeddings=True, rope_theta=10000.0)
+    torch.manual_seed(5)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+    native = NativeLlama.from_hf(model, "float32")
+    prompts, chunk = [[5, 9, 2, 7, 1, 8, 8, 3], [4, 4, 6]], [[3, 1, 2], [7]]
+
+    def run():
+        cache = SlotKVCache(native, 2, 32)
+        return [cache.forward(*_pad(prompts)), cache.forward(*_pad(chunk))]
+
+    best = ops.native_set_isa("")
+    try:
+        results = {}
+        for isa in _isas():
+            ops.native_set_isa(isa)
+            results[isa] = run()
+    finally:
+        ops.native_set_isa(best)
+    monkeypatch.setattr(native_model, "_use_kernels", lambda device: False)
+    want = run()
+    counts = [torch.tensor([8, 3]), torch.tensor([3, 1])]
+    for isa, got in results.items():
+        for g_, w, c in zip(got, want, counts):
+            _close(g_, w, c)
+
+
+@pytest.mark.skipif(not HAS_KERNELS, reason="specadapt._C built without the native kernels")
+def test_logits_do_not_depend_on_the_thread_count():
+    """Attention units are spread over the threads by cost (csrc/cpu/native_attention.cpp, balance_units); with
+    a context over three key splits (the last one nearly empty) and two requests, one thread and two give the same
+    bits, for a decode step, a verify chunk and a token tree."""
+    native = NativeLlama.from_hf(tiny("llama", positions=1024), "int4", kv_dtype="float16")
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (515, 260)]
+    chunk = [torch.randint(0, 96, (k,), generator=g).tolist() for k in (6, 1)]
+    tree = build_token_tree(torch.randint(0, 96, (2, 3, 2), generator=g))
+
+    def run():
+        cache = SlotKVCache(native, 2, 544)
+        outs = [cache.forward(*_pad(prompts)), cache.forward(*_pad(chunk))]
+        outs.append(cache.forward(tree.node_tokens, tree.num_nodes, chunk_mask=tree.ancestor_mask,
+                                  chunk_positions=tree.depth))
+        return outs
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        two = run()
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)

@@ -555,16 +555,39 @@ void exp_inplace(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i]);
 }
 
+#if SA_ATT_X86
+namespace {
+__attribute__((target("avx2,f16c"))) void to_half8(const float* x, uint16_t* out) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                   _mm256_cvtps_ph(_mm256_loadu_ps(x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+}  // namespace
+#endif
+
 void write_kv(const float* key, const float* value, const AttentionMeta& meta, int64_t t, int64_t Hkv, int64_t C,
               int64_t D, void* k_layer, void* v_layer, bool half_cache) {
   const int64_t slot = meta.slot[t], idx = meta.index[t];
+#if SA_ATT_X86
+  const bool f16c = active_isa_value() >= 1;
+#endif
   for (int64_t g = 0; g < Hkv; ++g) {
     const int64_t tile = ((slot * Hkv + g) * (C / kKeyTile) + idx / kKeyTile) * D * kKeyTile + idx % kKeyTile;
     const int64_t row = ((slot * Hkv + g) * C + idx) * D;
     if (half_cache) {
       uint16_t* kt = static_cast<uint16_t*>(k_layer) + tile;
       uint16_t* vr = static_cast<uint16_t*>(v_layer) + row;
-      for (int64_t d = 0; d < D; ++d) {
+      int64_t d = 0;
+#if SA_ATT_X86
+      if (f16c) {  // the same round-to-nearest-even as c10::Half, 8 at a time
+        uint16_t kh[8];
+        for (; d + 8 <= D; d += 8) {
+          to_half8(key + g * D + d, kh);
+          to_half8(value + g * D + d, vr + d);
+          for (int j = 0; j < 8; ++j) kt[(d + j) * kKeyTile] = kh[j];
+        }
+      }
+#endif
+      for (; d < D; ++d) {
         kt[d * kKeyTile] = c10::Half(key[g * D + d]).x;
         vr[d] = c10::Half(value[g * D + d]).x;
       }
@@ -575,6 +598,32 @@ void write_kv(const float* key, const float* value, const AttentionMeta& meta, i
     }
   }
 }
+
+namespace {
+// Longest-processing-time-first assignment of units to `threads` buckets (cost: queries x keys + a fixed 64).
+std::vector<std::vector<int64_t>> balance_units(const std::vector<Unit>& units, int threads) {
+  const int64_t n = static_cast<int64_t>(units.size());
+  const int64_t count = std::max<int64_t>(1, std::min<int64_t>(threads, n));
+  std::vector<std::vector<int64_t>> buckets(count);
+  if (count == 1) {
+    for (int64_t i = 0; i < n; ++i) buckets[0].push_back(i);
+    return buckets;
+  }
+  std::vector<int64_t> order(n), cost(n);
+  for (int64_t i = 0; i < n; ++i) {
+    order[i] = i;
+    cost[i] = static_cast<int64_t>(units[i].queries.size()) * (units[i].k1 - units[i].k0) + 64;
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  std::vector<int64_t> load(count, 0);
+  for (int64_t i : order) {
+    const int64_t b = std::min_element(load.begin(), load.end()) - load.begin();
+    buckets[b].push_back(i);
+    load[b] += cost[i];
+  }
+  return buckets;
+}
+}  // namespace
 
 void attention(const float* q, int64_t ldq, const void* k_layer, const void* v_layer, const AttentionMeta& meta,
                int64_t N, int64_t H, int64_t Hkv, int64_t C, int64_t D, float scale, float* out, bool half_cache) {
@@ -614,9 +663,16 @@ void attention(const float* q, int64_t ldq, const void* k_layer, const void* v_l
   std::vector<int64_t> offset(units.size() + 1, 0);  // partial results [m, l, o...] per (unit, query)
   for (size_t i = 0; i < units.size(); ++i) offset[i + 1] = offset[i] + static_cast<int64_t>(units[i].queries.size());
   std::vector<float> partial(offset.back() * (D + 2));
-  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+  // Units differ in size (a request's last split holds its few newest keys), so contiguous chunks of the unit list
+  // can leave one thread twice the work of another (at 512 cached positions and 6 new tokens: 9 units, 4 whole
+  // splits on one thread and 2 on the other). Each thread gets a bucket filled by longest-processing-time-first
+  // (units by cost, queries x keys, each to the least-loaded bucket). Which thread computes a unit never
+  // changes its result.
+  const std::vector<std::vector<int64_t>> buckets = balance_units(units, at::get_num_threads());
+  at::parallel_for(0, static_cast<int64_t>(buckets.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    for (int64_t i = begin; i < end; ++i) {
+    for (int64_t b = begin; b < end; ++b)
+    for (int64_t i : buckets[b]) {
       float* part = partial.data() + offset[i] * (D + 2);
       const Unit& u = units[i];
       const float* kf = static_cast<const float*>(k_layer);

@@ -25,6 +25,7 @@
 
 #include "native_attention.h"
 #include "native_linear.h"
+#include "native_rowops.h"
 
 
 namespace specadapt {
@@ -110,36 +111,6 @@ Linear make_linear(const std::vector<c10::optional<at::Tensor>>& w, int64_t base
   }
   lin.int8_activations = true;
   return lin;
-}
-
-void rms_norm_rows(const float* x, const float* weight, int64_t rows, int64_t dim, int64_t ld_in, int64_t ld_out,
-                   double eps, float* out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * ld_in;
-    double acc = 0.0;  // the mean square in double: one rounding, as the float32 reference's reduction nearly is
-    for (int64_t i = 0; i < dim; ++i) acc += static_cast<double>(xr[i]) * xr[i];
-    const float inv = static_cast<float>(1.0 / std::sqrt(acc / static_cast<double>(dim) + eps));
-    float* o = out + r * ld_out;
-    for (int64_t i = 0; i < dim; ++i) o[i] = weight[i] * (xr[i] * inv);
-  }
-}
-
-// a[i] = silu(g[i]) * g[I + i] for one token's [gate | up] row.
-void silu_mul(const float* g, int64_t I, float* a) {
-  std::vector<float> e(I);
-  for (int64_t i = 0; i < I; ++i) e[i] = -g[i];
-  exp_inplace(e.data(), I);
-  for (int64_t i = 0; i < I; ++i) a[i] = (g[i] / (1.f + e[i])) * g[I + i];
-}
-
-// HF rotate_half RoPE of one head vector in place: cos / sin rows of length D (halves repeated).
-void rope_head(float* v, const float* cos, const float* sin, int64_t D) {
-  const int64_t half = D / 2;
-  for (int64_t i = 0; i < half; ++i) {
-    const float a = v[i], b = v[i + half];
-    v[i] = a * cos[i] - b * sin[i];
-    v[i + half] = b * cos[i + half] + a * sin[i + half];
-  }
 }
 
 std::vector<at::Tensor> native_llama_forward_cpu(
@@ -261,13 +232,12 @@ std::vector<at::Tensor> native_llama_forward_cpu(
     char* vc_l = vc + l * S * Hkv * C * D * entry;
     for (int64_t t = 0; t < N; ++t) {
       float* row = qkv.data() + t * qkv_rows;
-      if (ly.qkv_bias)
-        for (int64_t i = 0; i < qkv_rows; ++i) row[i] += ly.qkv_bias[i];
+      if (ly.qkv_bias) add_inplace(row, ly.qkv_bias, qkv_rows);
       if (ly.q_norm) rms_norm_rows(row, ly.q_norm, H, D, D, D, eps, row);
       if (ly.k_norm) rms_norm_rows(row + H * D, ly.k_norm, Hkv, D, D, D, eps, row + H * D);
       const float* cr = cosp + positions[t] * D;
       const float* sr = sinp + positions[t] * D;
-      for (int64_t hh = 0; hh < H + Hkv; ++hh) rope_head(row + hh * D, cr, sr, D);
+      rope_heads(row, H + Hkv, cr, sr, D);
       write_kv(row + H * D, row + (H + Hkv) * D, meta, t, Hkv, C, D, kc_l, vc_l, half_cache);
     }
     timer.lap(kNorms);
@@ -290,16 +260,16 @@ std::vector<at::Tensor> native_llama_forward_cpu(
     timer.lap(kAttention);
     ly.o(attn.data(), n, proj.data());
     timer.lap(kOut);
-    for (int64_t i = 0; i < n * hid; ++i) xp[i] += proj[i];
+    add_inplace(xp, proj.data(), n * hid);
     rms_norm_rows(xp, ly.norm2, n, hid, hid, hid, eps, h.data());
     timer.lap(kNorms);
     ly.gate_up(h.data(), n, gu.data());
     timer.lap(kGateUp);
-    for (int64_t t = 0; t < n; ++t) silu_mul(gu.data() + t * 2 * I, I, act.data() + t * I);
+    silu_mul_rows(gu.data(), n, I, act.data());
     timer.lap(kActivation);
     ly.down(act.data(), n, proj.data());
     timer.lap(kDown);
-    for (int64_t i = 0; i < n * hid; ++i) xp[i] += proj[i];
+    add_inplace(xp, proj.data(), n * hid);
   }
   std::vector<at::Tensor> outputs{x};
   if (fnorm) {
