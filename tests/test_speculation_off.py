@@ -149,6 +149,48 @@ def test_the_probe_wait_grows_past_its_cap_until_probes_cost_their_share():
     assert _av(L, STEEP, probe_interval_max=8, probe_share=0.0).probe_wait_cap() == 8
 
 
+def test_a_measured_probe_cost_sets_the_wait_at_once():
+    """Once a probe's extra time is known, a probe that keeps speculation off waits at least the share's rounds
+    at once (it used to double towards them): from a wait of 2, a probe measured at 20 ms over a 10 ms plain
+    round with a 1% share (200 rounds) waits 128 = 16 x probe_interval_max next; a cheap probe (5 rounds) leaves
+    the doubling in charge; without a measurement, or without a share, the wait doubles up to the cap."""
+    L = 3
+    av = _av(L, STEEP, probe_interval=2, probe_interval_max=8, probe_share=0.01)
+    assert av.share_wait() == 0 and av.next_probe_wait() == 4  # nothing measured: doubling
+    av._plain_round_ms, av._probe_excess_ms = 10.0, 20.0
+    assert av.share_wait() == 200 and av.next_probe_wait() == 128
+    av._probe_excess_ms = 0.5  # 5 rounds: doubling from 2 gives 4, the share 5
+    assert av.next_probe_wait() == 5
+    av._probe_wait = 8
+    assert av.next_probe_wait() == 8  # the doubling is capped at probe_interval_max, the share needs less
+    av = _av(L, STEEP, probe_interval=2, probe_interval_max=8, probe_share=0.0)
+    av._plain_round_ms, av._probe_excess_ms, av._probe_wait = 10.0, 20.0, 8
+    assert av.next_probe_wait() == 8
+
+
+def test_the_engine_jumps_to_the_share_wait_after_a_measured_probe(tiny_target):
+    """In the engine: a steep cost keeps speculation off; with every probe measured as dear (the round timer
+    reports 10 plain rounds for a probe) and a 10% share, the wait after the second measured probe is 100 rounds
+    (capped at 16 x probe_interval_max = 64), not the doubling's 8."""
+    L = 3
+    av = _av(L, STEEP, probe_interval=2, probe_interval_max=4, probe_share=0.1)
+    record = av.record_round_time
+
+    def fake_timer(measured_ms):  # probes cost 10 plain rounds more, plain rounds their table cost
+        plain = av.costs.verify_cost(1)
+        record(plain * 11 if av._round_is_probe else plain)
+
+    av.record_round_time = fake_timer
+    draft = ModelDraft(self_draft(tiny_target, 2), GREEDY, 0, "self:2")
+    engine = SpeculativeEngine(tiny_target, draft, GREEDY, L, "chain", adaptive=av)
+    res = engine.generate([PROMPTS[0]], 120)[0]
+    drafted = [r.num_drafted for r in res.rounds]
+    probes = [i for i, d in enumerate(drafted) if i > 0 and d > 0]
+    # opening probe (round 0), off 2, probe (its cost measured after its plan: the wait doubles to 4), off 4,
+    # probe (the share now known: 64), off 64, probe
+    assert probes[:3] == [3, 8, 73], drafted
+
+
 def test_speculation_off_and_probes_follow_the_target_law():
     """4000 sampled requests whose first token comes from a round with speculation off and whose second comes
     from a probe round: the first two tokens follow the exact target law (chi-square)."""

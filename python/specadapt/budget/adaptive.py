@@ -23,10 +23,11 @@ defers its catch-up to the round drafting resumes). Probe rounds keep the estima
 off: after ``probe_interval`` rounds off, one round drafts ``probe_depth`` token(s) per request and verifies them
 unpruned; its survivals (position 1 known, extrapolated to L) choose the next ``B*`` as in any round. A probe that
 leaves ``B* = 0`` doubles the wait before the next one, up to ``probe_interval_max`` (so a batch where speculation
-never pays spends at most about one round in ``probe_interval_max`` probing), or further, up to 16x that, while a
-probe's measured extra time (its deferred catch-up, draft step and extra verified tokens, over a plain round)
-exceeds ``probe_share`` of the plain rounds it waits (at batch 32 on 2 cores a probe costs about 2 plain rounds:
-probing every 64 rounds cost 5% of the decode time); a round that speculates resets it to ``probe_interval``. The first round of an engine (no ``B*`` yet) is a probe too (the opening probe: it does not double the
+never pays spends at most about one round in ``probe_interval_max`` probing); once a probe's extra time (its
+deferred catch-up, draft step and extra verified tokens, over a plain round) has been measured, the wait is at
+least what keeps probes within ``probe_share`` of the plain rounds' time (up to 16x ``probe_interval_max``; at
+batch 32 on 2 cores a probe costs about 2 plain rounds, so 1% means about 200 rounds: probing every 64 rounds
+cost 5% of the decode time); a round that speculates resets it to ``probe_interval``. The first round of an engine (no ``B*`` yet) is a probe too (the opening probe: it does not double the
 wait). Whether a round is off or a probe depends only on earlier rounds, never on this round's drafted tokens
 (the exactness condition above).
 """
@@ -197,14 +198,27 @@ class AdaptiveVerification:
             self.overhead_ms[mode] = residual if old is None else old + self.config.overhead_weight * (residual - old)
         self._predicted_ms = None
 
-    def probe_wait_cap(self) -> int:
-        """The most rounds off between probes: ``probe_interval_max``, raised (to at most 16x it) until the
-        measured probe's extra ms over a plain round is at most ``probe_share`` of the plain rounds' ms it waits."""
-        cap = self.config.probe_interval_max
+    def share_wait(self) -> int:
+        """Rounds off a probe must wait for its measured extra ms over a plain round to be at most
+        ``probe_share`` of the plain rounds' ms it waits (0 while no probe has been measured, or without a
+        share)."""
         if self.config.probe_share > 0 and self._probe_excess_ms and self._plain_round_ms:
-            needed = self._probe_excess_ms / (self.config.probe_share * self._plain_round_ms)
-            cap = min(max(cap, math.ceil(needed)), 16 * self.config.probe_interval_max)
-        return cap
+            return math.ceil(self._probe_excess_ms / (self.config.probe_share * self._plain_round_ms))
+        return 0
+
+    def probe_wait_cap(self) -> int:
+        """The most rounds off between probes: ``probe_interval_max``, raised (to at most 16x it) to
+        :meth:`share_wait`."""
+        return min(max(self.config.probe_interval_max, self.share_wait()), 16 * self.config.probe_interval_max)
+
+    def next_probe_wait(self) -> int:
+        """The wait after a probe that left ``B* = 0``: the current wait doubled (up to ``probe_interval_max``),
+        but never less than :meth:`share_wait` (up to :meth:`probe_wait_cap`): once a probe's cost has been
+        measured the wait jumps to what keeps probing within ``probe_share`` of the decode time, instead of
+        doubling towards it (at batch 32 on 2 cores a probe costs about 2 plain rounds, so a 1% share means
+        about 200 rounds between probes; the doubling from 4 spent 3-4% of a 384-round cell on probes)."""
+        doubled = min(2 * self._probe_wait, self.config.probe_interval_max)
+        return min(max(doubled, self.share_wait()), self.probe_wait_cap())
 
     def _overhead(self, mode: str) -> float:
         """The learnt overhead of a round with speculation ``mode`` (``on`` / ``off``); 0 while unmeasured or
@@ -306,7 +320,7 @@ class AdaptiveVerification:
         if self._round_is_probe:  # what a plain round of this batch would cost: the probe's extra time is over it
             self._plain_round_ms = self.costs.verify_cost(num_drafts.shape[0]) + self._overhead("off")
         if probing and self.stale_budget == 0 and not opening:
-            self._probe_wait = min(2 * self._probe_wait, self.probe_wait_cap())
+            self._probe_wait = self.next_probe_wait()
         elif self._round_limit is None:
             self._probe_wait = self.config.probe_interval  # speculation ran: a later switch-off probes early again
         self._probing = False

@@ -21,9 +21,10 @@ class AVConfig:
             (:meth:`~specadapt.budget.adaptive.AdaptiveVerification.draft_caps`; same caps, less work).
         probe_interval, probe_interval_max: with speculation switched off, rounds before a probe round, and the
             cap of its doubling.
-        probe_share: the share of decode time probes may cost while speculation is off: the doubling may go past
-            ``probe_interval_max`` (to at most 16x it) until a probe's measured extra time is at most this share
-            of the plain rounds it waits; 0 disables it.
+        probe_share: the share of decode time probes may cost while speculation is off: once a probe's extra
+            time has been measured, the wait after a probe that keeps speculation off is at least what makes it
+            this share of the plain rounds it waits (past ``probe_interval_max``, to at most 16x it); 0 disables
+            it.
         probe_depth: drafts per request a probe round verifies (unpruned).
         online_overhead: learn the ms a round costs beyond the cost table's forwards from measured rounds.
         overhead_weight: weight of the newest residual in that exponential average.
@@ -49,9 +50,9 @@ class AVConfig:
                                            "this many)")
     probe_share: float = setting(0.01, flag="--av-probe-share", fronts=("engine",), type=float,
                                  help="with speculation switched off, the share of decode time probes may cost: "
-                                      "the doubling wait may grow past --av-probe-interval-max (up to 16x it) until "
-                                      "a probe's measured extra time is at most this share of the plain rounds "
-                                      "between probes (0: the cap is --av-probe-interval-max)")
+                                      "once a probe's extra time is measured, the wait between probes is at least "
+                                      "what keeps them within this share of the plain rounds' time (past "
+                                      "--av-probe-interval-max, up to 16x it; 0: only the doubling)")
     probe_depth: int = setting(1)
     online_overhead: bool = setting(True)
     overhead_weight: float = setting(0.1)
