@@ -8,7 +8,9 @@ and Python ran in between).
 
 On a VM that reports a last-level cache larger than the quantised model (the AMX Xeon of docs/native_forward.md
 reports 480 MB of L3 against 96 MB of int4 weights) the warm figure runs far below the flushed one, so a forward
-inside a speculative round costs more than the same forward in a microbenchmark loop. Prints the CPU,
+inside a speculative round costs more than the same forward in a microbenchmark loop. ``--gaps-ms`` times the
+forwards with a pause between them instead (the main thread busy in Python for that long, as while a round
+samples, verifies and drafts): how a forward's cost depends on the time since the previous one. Prints the CPU,
 the machine's copy bandwidth measured in the same run, the weight floor of one forward (the native weights'
 bytes at that rate) and the median ms of each setting with its ratio to the floor; run nothing else on the
 machine meanwhile.
@@ -30,9 +32,13 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=400, help="cached positions before the timed forwards")
     ap.add_argument("--flush-mb", type=int, default=600, help="bytes copied between flushed forwards (MB)")
     ap.add_argument("--repeats", type=int, default=40)
+    ap.add_argument("--gaps-ms", type=float, nargs="*", default=[],
+                    help="also time each q with the main thread busy this many ms before every forward")
     args = ap.parse_args()
     if min(args.queries) < 1 or args.context < 1 or args.flush_mb < 1 or args.repeats < 1:
         ap.error("--queries, --context, --flush-mb and --repeats must be positive")
+    if any(g < 0 for g in args.gaps_ms):
+        ap.error("--gaps-ms must be >= 0")
     import torch
 
     from specadapt.bench.forward import cpu_name, measure_machine
@@ -45,11 +51,15 @@ def main() -> int:
     source = torch.empty(args.flush_mb * 2**20 // 4)
     sink = torch.empty_like(source)
 
-    def median_ms(q: int, flush: bool) -> float:
+    def median_ms(q: int, flush: bool, gap_ms: float = 0.0) -> float:
         times = []
         for _ in range(args.repeats):
             if flush:
                 sink.copy_(source)
+            if gap_ms:
+                until = time.perf_counter() + gap_ms / 1e3
+                while time.perf_counter() < until:
+                    pass
             start = time.perf_counter()
             kv.forward(torch.randint(0, 1000, (1, q)), torch.tensor([q]))
             times.append(time.perf_counter() - start)
@@ -67,6 +77,14 @@ def main() -> int:
         warm, flushed = median_ms(q, False), median_ms(q, True)
         print(f"{q:3d} {warm:9.2f} {warm / floor_ms:8.2f}x {flushed:11.2f} {flushed / floor_ms:8.2f}x "
               f"{flushed / warm:15.2f}")
+    if args.gaps_ms:
+        print("after a busy pause (ms; x back to back):")
+        print(f"{'q':>3s} " + " ".join(f"{f'gap {g:g} ms':>16s}" for g in [0.0] + args.gaps_ms))
+        for q in args.queries:
+            base = median_ms(q, False)
+            paused = [median_ms(q, False, g) for g in args.gaps_ms]
+            cells = [f"{base:16.2f}"] + [f"{ms:9.2f} ({ms / base:4.2f}x)" for ms in paused]
+            print(f"{q:3d} " + " ".join(cells))
     return 0
 
 

@@ -259,3 +259,10 @@ def test_target_only_formats_script_names_a_bad_format_entry():
     proc = subprocess.run([sys.executable, str(script), "--formats", "native:int4", "tpu:int4"], capture_output=True,
                           text=True)
     assert proc.returncode != 0 and "--formats" in proc.stderr and "tpu:int4" in proc.stderr
+
+
+def test_cache_residency_bench_refuses_a_negative_gap_by_name():
+    """scripts/bench_cache_residency.py checks its arguments before loading a model."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_cache_residency.py"
+    proc = subprocess.run([sys.executable, str(script), "--gaps-ms", "-1"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "--gaps-ms" in proc.stderr
