@@ -32,8 +32,9 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=400, help="cached positions before the timed forwards")
     ap.add_argument("--flush-mb", type=int, default=600, help="bytes copied between flushed forwards (MB)")
     ap.add_argument("--repeats", type=int, default=40)
-    ap.add_argument("--gaps-ms", type=float, nargs="*", default=[],
-                    help="also time each q with the main thread busy this many ms before every forward")
+    ap.add_argument("--gaps-ms", type=float, nargs="+", default=[],
+                    help="also time each q with the main thread busy this many ms before every forward (each "
+                         "repeat runs back to back and every gap in turn, so the host's drift hits all alike)")
     args = ap.parse_args()
     if min(args.queries) < 1 or args.context < 1 or args.flush_mb < 1 or args.repeats < 1:
         ap.error("--queries, --context, --flush-mb and --repeats must be positive")
@@ -51,20 +52,24 @@ def main() -> int:
     source = torch.empty(args.flush_mb * 2**20 // 4)
     sink = torch.empty_like(source)
 
-    def median_ms(q: int, flush: bool, gap_ms: float = 0.0) -> float:
+    def timed_forward_ms(q: int, gap_ms: float) -> float:
+        """One forward of q tokens after the main thread was busy gap_ms (rolled back after)."""
+        until = time.perf_counter() + gap_ms / 1e3
+        while time.perf_counter() < until:
+            pass
+        start = time.perf_counter()
+        kv.forward(torch.randint(0, 1000, (1, q)), torch.tensor([q]))
+        elapsed = time.perf_counter() - start
+        kv.truncate(kv.lengths.cpu() - q)
+        return 1e3 * elapsed
+
+    def median_ms(q: int, flush: bool) -> float:
         times = []
         for _ in range(args.repeats):
             if flush:
                 sink.copy_(source)
-            if gap_ms:
-                until = time.perf_counter() + gap_ms / 1e3
-                while time.perf_counter() < until:
-                    pass
-            start = time.perf_counter()
-            kv.forward(torch.randint(0, 1000, (1, q)), torch.tensor([q]))
-            times.append(time.perf_counter() - start)
-            kv.truncate(kv.lengths.cpu() - q)
-        return 1e3 * statistics.median(times)
+            times.append(timed_forward_ms(q, 0.0))
+        return statistics.median(times)
 
     machine = measure_machine("cpu")
     weight_mb = target.native.weight_bytes / 1e6
@@ -78,12 +83,16 @@ def main() -> int:
         print(f"{q:3d} {warm:9.2f} {warm / floor_ms:8.2f}x {flushed:11.2f} {flushed / floor_ms:8.2f}x "
               f"{flushed / warm:15.2f}")
     if args.gaps_ms:
-        print("after a busy pause (ms; x back to back):")
-        print(f"{'q':>3s} " + " ".join(f"{f'gap {g:g} ms':>16s}" for g in [0.0] + args.gaps_ms))
+        gaps = [0.0] + list(args.gaps_ms)
+        print("after a busy pause (median ms; x back to back):")
+        print(f"{'q':>3s} " + " ".join(f"{f'gap {g:g} ms':>17s}" for g in gaps))
         for q in args.queries:
-            base = median_ms(q, False)
-            paused = [median_ms(q, False, g) for g in args.gaps_ms]
-            cells = [f"{base:16.2f}"] + [f"{ms:9.2f} ({ms / base:4.2f}x)" for ms in paused]
+            samples = {g: [] for g in gaps}
+            for _ in range(args.repeats):
+                for g in gaps:
+                    samples[g].append(timed_forward_ms(q, g))
+            medians = [statistics.median(samples[g]) for g in gaps]
+            cells = [f"{medians[0]:17.2f}"] + [f"{ms:9.2f} ({ms / medians[0]:4.2f}x)" for ms in medians[1:]]
             print(f"{q:3d} " + " ".join(cells))
     return 0
 

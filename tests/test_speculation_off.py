@@ -170,8 +170,9 @@ def test_a_measured_probe_cost_sets_the_wait_at_once():
 
 def test_the_engine_jumps_to_the_share_wait_after_a_measured_probe(tiny_target):
     """In the engine: a steep cost keeps speculation off; with every probe measured as dear (the round timer
-    reports 10 plain rounds for a probe) and a 10% share, the wait after the second measured probe is 100 rounds
-    (capped at 16 x probe_interval_max = 64), not the doubling's 8."""
+    reports a probe as 10 plain rounds more than a plain one) and a 10% share, the share's wait is 100 rounds
+    (capped at 16 x probe_interval_max = 64): the second probe's plan, which knows the first probe's cost, sets
+    it, where the doubling would give 8."""
     L = 3
     av = _av(L, STEEP, probe_interval=2, probe_interval_max=4, probe_share=0.1)
     record = av.record_round_time

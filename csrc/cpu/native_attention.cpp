@@ -669,39 +669,42 @@ void attention(const float* q, int64_t ldq, const void* k_layer, const void* v_l
   // (units by cost, queries x keys, each to the least-loaded bucket). Which thread computes a unit never
   // changes its result.
   const std::vector<std::vector<int64_t>> buckets = balance_units(units, at::get_num_threads());
+  // one unit's partial results [m, l, o] (each unit writes only its own slice of `partial`)
+  auto run_unit = [&](int64_t i, std::vector<float>& scores) {
+    float* part = partial.data() + offset[i] * (D + 2);
+    const Unit& u = units[i];
+    const float* kf = static_cast<const float*>(k_layer);
+    const float* vf = static_cast<const float*>(v_layer);
+    const uint16_t* kh = static_cast<const uint16_t*>(k_layer);
+    const uint16_t* vh = static_cast<const uint16_t*>(v_layer);
+#if SA_ATT_X86
+    if (wide) {
+      if (half_cache) {
+        unit_avx512(u, q, ldq, kh, vh, Hkv, C, D, scale, part, scores);
+      } else {
+        unit_avx512(u, q, ldq, kf, vf, Hkv, C, D, scale, part, scores);
+      }
+      return;
+    }
+    if (wide2) {
+      if (half_cache) {
+        unit_avx2(u, q, ldq, kh, vh, Hkv, C, D, scale, part, scores);
+      } else {
+        unit_avx2(u, q, ldq, kf, vf, Hkv, C, D, scale, part, scores);
+      }
+      return;
+    }
+#endif
+    if (half_cache) {
+      unit_generic(u, q, ldq, kh, vh, Hkv, C, D, scale, part, scores);
+    } else {
+      unit_generic(u, q, ldq, kf, vf, Hkv, C, D, scale, part, scores);
+    }
+  };
   at::parallel_for(0, static_cast<int64_t>(buckets.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    for (int64_t b = begin; b < end; ++b)
-    for (int64_t i : buckets[b]) {
-      float* part = partial.data() + offset[i] * (D + 2);
-      const Unit& u = units[i];
-      const float* kf = static_cast<const float*>(k_layer);
-      const float* vf = static_cast<const float*>(v_layer);
-      const uint16_t* kh = static_cast<const uint16_t*>(k_layer);
-      const uint16_t* vh = static_cast<const uint16_t*>(v_layer);
-#if SA_ATT_X86
-      if (wide) {
-        if (half_cache) {
-          unit_avx512(u, q, ldq, kh, vh, Hkv, C, D, scale, part, scores);
-        } else {
-          unit_avx512(u, q, ldq, kf, vf, Hkv, C, D, scale, part, scores);
-        }
-        continue;
-      }
-      if (wide2) {
-        if (half_cache) {
-          unit_avx2(u, q, ldq, kh, vh, Hkv, C, D, scale, part, scores);
-        } else {
-          unit_avx2(u, q, ldq, kf, vf, Hkv, C, D, scale, part, scores);
-        }
-        continue;
-      }
-#endif
-      if (half_cache) {
-        unit_generic(u, q, ldq, kh, vh, Hkv, C, D, scale, part, scores);
-      } else {
-        unit_generic(u, q, ldq, kf, vf, Hkv, C, D, scale, part, scores);
-      }
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t i : buckets[b]) run_unit(i, scores);
     }
   });
   // merge each query's splits, in split order

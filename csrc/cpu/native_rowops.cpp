@@ -3,8 +3,9 @@
 // The element-wise loops (RoPE, the SiLU product, adds, the norm's scaling) are written once as plain loops and
 // compiled three times: for AVX-512, for AVX2 and for the portable baseline (GCC vectorises the first two with
 // the wide registers; the build's baseline ISA is SSE2). Element-wise, the three run the same IEEE operations in
-// the same order, so they give the same bits. Only the RMS norm's double sum of squares is explicitly
-// vectorised, in 8 (AVX-512) or 4 (AVX2) double lanes added in a fixed order.
+// the same order, so they give the same bits; the exceptions are the RMS norm's double sum of squares, explicitly
+// vectorised in 8 (AVX-512) or 4 (AVX2) double lanes added in a fixed order, and the SiLU's exp (exp_inplace,
+// which differs between the vector and portable paths).
 #include "native_rowops.h"
 
 #include <algorithm>
@@ -14,6 +15,9 @@
 #include "native_attention.h"  // exp_inplace
 
 #if defined(__x86_64__) && defined(__GNUC__)
+// GCC 12 reports the intrinsics' own _mm512_undefined_* placeholders as uninitialised (as in native_linear.cpp)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 #define SA_ROW_X86 1
 #define SA_ROW512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))

@@ -1,8 +1,9 @@
 // Per-token row operations of the native decoder stack (native_llama.cpp): RMS norm, the SiLU-gated product of
 // the MLP, rotary embeddings, bias and residual adds. Vectorised for the active instruction set (AVX-512, AVX2,
 // portable C++; native_set_isa). Every element goes through the same float operations as the portable loop in
-// the same order (no fused multiply-adds, ffp-contract=off), except the RMS norm's mean square, a double sum
-// whose order depends on the vector width; a row's result never depends on the other rows of a call.
+// the same order (no fused multiply-adds, ffp-contract=off), except the RMS norm's mean square (a double sum
+// whose order depends on the vector width) and the SiLU's exp (exp_inplace: a polynomial on vector lanes,
+// std::exp on the portable path and in the AVX2 tail); a row's result never depends on the other rows of a call.
 #pragma once
 #include <cstdint>
 
@@ -11,7 +12,8 @@ namespace cpu {
 namespace native {
 
 // out[r, i] = weight[i] * (x[r, i] * rsqrt(mean_i x[r, i]^2 + eps)) for `rows` rows of `dim` (strides ld_in /
-// ld_out; out may alias x). The mean square is summed in double, cast to float once.
+// ld_out; out may alias x). The mean square is summed and kept in double; 1 / sqrt(mean + eps) is cast to float
+// once.
 void rms_norm_rows(const float* x, const float* weight, int64_t rows, int64_t dim, int64_t ld_in, int64_t ld_out,
                    double eps, float* out);
 
