@@ -18,7 +18,7 @@ HAS_KERNELS = kernels.has_op_for("native_llama_forward", torch.device("cpu"))
 
 
 def tiny(family: str = "llama", vocab: int = 96, layers: int = 2, seed: int = 0, tied: bool = True,
-         positions: int = 256):
+         positions: int = 256, hidden: int = 64, intermediate: int = 128):
     """A small random model with head_dim 16 (the kernels' vector paths) and GQA (4 heads over 2)."""
     import transformers
 
@@ -28,7 +28,8 @@ def tiny(family: str = "llama", vocab: int = 96, layers: int = 2, seed: int = 0,
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }[family]
     extra = {"head_dim": 16} if family == "qwen3" else {}
-    config = config_cls(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+    config = config_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                        num_hidden_layers=layers,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
                         tie_word_embeddings=tied, rope_theta=10000.0, **extra)
     torch.manual_seed(seed)
@@ -234,13 +235,26 @@ def _isas() -> list[str]:
     return order[: order.index(best) + 1]
 
 
+def _on_every_isa(run) -> dict:
+    """``{isa: run()}`` for each instruction-set path of the kernels this CPU has; the best one restored after."""
+    ops = torch.ops.specadapt
+    best = ops.native_set_isa("")
+    try:
+        results = {}
+        for isa in _isas():
+            ops.native_set_isa(isa)
+            results[isa] = run()
+    finally:
+        ops.native_set_isa(best)
+    return results
+
+
 @pytest.mark.skipif(not HAS_KERNELS, reason="specadapt._C built without the native kernels")
 @pytest.mark.parametrize("kv", ["float32", "float16"])
 def test_attention_on_every_instruction_set_equals_the_reference(kv, monkeypatch):
     """Each attention path this CPU has (portable C++, AVX2, AVX-512) against the PyTorch reference, over more
     than one key split (256 keys) and partial key tiles, ragged chunks and a token tree; and a request's logits
     stay bit-identical alone or beside other requests on every path."""
-    ops = torch.ops.specadapt
     model = tiny("llama", positions=512)
     native = NativeLlama.from_hf(model, "float32", kv_dtype=kv)
     g = torch.Generator().manual_seed(4)
@@ -259,14 +273,7 @@ def test_attention_on_every_instruction_set_equals_the_reference(kv, monkeypatch
         outs.append(alone.forward(*_pad(chunk[1:]))[0])
         return outs
 
-    best = ops.native_set_isa("")
-    try:
-        results = {}
-        for isa in _isas():
-            ops.native_set_isa(isa)
-            results[isa] = run()
-    finally:
-        ops.native_set_isa(best)
+    results = _on_every_isa(run)
     monkeypatch.setattr(native_model, "_use_kernels", lambda device: False)
     want = run()
     counts = [torch.tensor([300, 37]), torch.tensor([5, 2]), tree.num_nodes]
@@ -296,23 +303,8 @@ def test_row_operations_on_every_instruction_set_equal_the_reference(family, mon
     csrc/cpu/native_rowops.cpp) on each vector path this CPU has, with widths that leave tails on both vector
     widths (Qwen3 hidden 76; intermediate 604: two 256-float exp chunks plus 92; 76 and 92 are 12 mod 16 and 4 mod
     8), against the PyTorch reference."""
-    import transformers
-
-    ops = torch.ops.specadapt
-    config_cls, model_cls = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-                             "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[family]
     hidden = 76 if family == "qwen3" else 64  # Qwen2's head_dim is hidden / heads (16 on the vector paths)
-    config = config_cls(vocab_size=96, hidden_size=hidden, intermediate_size=604, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
-                        tie_word_embeddings=True, rope_theta=10000.0)
-    torch.manual_seed(5)
-    model = model_cls(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.2 * torch.randn_like(p))
+    model = tiny(family, seed=5, positions=64, hidden=hidden, intermediate=604)
     native = NativeLlama.from_hf(model, "float32")
     prompts, chunk = [[5, 9, 2, 7, 1, 8, 8, 3], [4, 4, 6]], [[3, 1, 2], [7]]
 
@@ -320,14 +312,7 @@ def test_row_operations_on_every_instruction_set_equal_the_reference(family, mon
         cache = SlotKVCache(native, 2, 32)
         return [cache.forward(*_pad(prompts)), cache.forward(*_pad(chunk))]
 
-    best = ops.native_set_isa("")
-    try:
-        results = {}
-        for isa in _isas():
-            ops.native_set_isa(isa)
-            results[isa] = run()
-    finally:
-        ops.native_set_isa(best)
+    results = _on_every_isa(run)
     monkeypatch.setattr(native_model, "_use_kernels", lambda device: False)
     want = run()
     counts = [torch.tensor([8, 3]), torch.tensor([3, 1])]

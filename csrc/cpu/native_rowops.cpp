@@ -72,11 +72,21 @@ double sum_squares_scalar(const float* x, int64_t dim) {
   return acc;
 }
 
-void scale_row_scalar(const float* x, const float* w, float inv, int64_t dim, float* o) { scale_row_body(x, w, inv, dim, o); }
-void rope_scalar(float* v, int64_t heads, const float* c, const float* s, int64_t D) { rope_body(v, heads, c, s, D); }
-void negate_scalar(const float* g, int64_t n, float* e) { negate_body(g, n, e); }
-void silu_scalar(const float* g, const float* u, const float* e, int64_t n, float* a) { silu_body(g, u, e, n, a); }
-void add_scalar(float* x, const float* y, int64_t n) { add_body(x, y, n); }
+// The element-wise kernels of one ISA: `name_suffix` wrappers (with the ISA's target attribute) around the bodies.
+#define SA_ROW_KERNELS(suffix, attr)                                                                         \
+  attr void scale_row_##suffix(const float* x, const float* w, float inv, int64_t dim, float* o) {           \
+    scale_row_body(x, w, inv, dim, o);                                                                       \
+  }                                                                                                          \
+  attr void rope_##suffix(float* v, int64_t heads, const float* c, const float* s, int64_t D) {              \
+    rope_body(v, heads, c, s, D);                                                                            \
+  }                                                                                                          \
+  attr void negate_##suffix(const float* g, int64_t n, float* e) { negate_body(g, n, e); }                   \
+  attr void silu_##suffix(const float* g, const float* u, const float* e, int64_t n, float* a) {             \
+    silu_body(g, u, e, n, a);                                                                                \
+  }                                                                                                          \
+  attr void add_##suffix(float* x, const float* y, int64_t n) { add_body(x, y, n); }
+
+SA_ROW_KERNELS(scalar, )
 
 #if SA_ROW_X86
 SA_ROW512 double sum_squares_avx512(const float* x, int64_t dim) {
@@ -91,11 +101,7 @@ SA_ROW512 double sum_squares_avx512(const float* x, int64_t dim) {
   for (; i < dim; ++i) acc += static_cast<double>(x[i]) * x[i];
   return acc;
 }
-SA_ROW512 void scale_row_avx512(const float* x, const float* w, float inv, int64_t dim, float* o) { scale_row_body(x, w, inv, dim, o); }
-SA_ROW512 void rope_avx512(float* v, int64_t heads, const float* c, const float* s, int64_t D) { rope_body(v, heads, c, s, D); }
-SA_ROW512 void negate_avx512(const float* g, int64_t n, float* e) { negate_body(g, n, e); }
-SA_ROW512 void silu_avx512(const float* g, const float* u, const float* e, int64_t n, float* a) { silu_body(g, u, e, n, a); }
-SA_ROW512 void add_avx512(float* x, const float* y, int64_t n) { add_body(x, y, n); }
+SA_ROW_KERNELS(avx512, SA_ROW512)
 
 SA_ROW2 double sum_squares_avx2(const float* x, int64_t dim) {
   __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
@@ -111,11 +117,7 @@ SA_ROW2 double sum_squares_avx2(const float* x, int64_t dim) {
   for (; i < dim; ++i) acc += static_cast<double>(x[i]) * x[i];
   return acc;
 }
-SA_ROW2 void scale_row_avx2(const float* x, const float* w, float inv, int64_t dim, float* o) { scale_row_body(x, w, inv, dim, o); }
-SA_ROW2 void rope_avx2(float* v, int64_t heads, const float* c, const float* s, int64_t D) { rope_body(v, heads, c, s, D); }
-SA_ROW2 void negate_avx2(const float* g, int64_t n, float* e) { negate_body(g, n, e); }
-SA_ROW2 void silu_avx2(const float* g, const float* u, const float* e, int64_t n, float* a) { silu_body(g, u, e, n, a); }
-SA_ROW2 void add_avx2(float* x, const float* y, int64_t n) { add_body(x, y, n); }
+SA_ROW_KERNELS(avx2, SA_ROW2)
 #endif
 
 // The kernels of the active ISA.
