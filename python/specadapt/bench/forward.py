@@ -207,7 +207,7 @@ def run_forward_benchmark(
                             cache.forward(ids, counts)
                             cache.truncate(start)
 
-                        phases = _phase_ms(step) if (b == 1 and q in (1, 6) and c == contexts[0]) else None
+                        phases = _phase_ms(step) if (b == 1 and q in (1, 2, 6) and c == contexts[0]) else None
                         add("target", "native", b, q, c, median_seconds(step, repeats), native.weight_bytes, params,
                             kv(b, c), phases=phases)
                     del cache

@@ -175,9 +175,10 @@ class EagleDraft(Draft):
         trim_proposal(proposal)
         num = proposal.num_tokens
         length = proposal.tokens.shape[1]
-        live = torch.arange(length)[None, :] < num[:, None]
-        proposal.tokens = torch.where(live, proposal.tokens, torch.zeros_like(proposal.tokens))
-        proposal.probs = proposal.probs * live[:, :, None]
+        if any(n < length for n in num.tolist()):  # rows that drafted fewer: their unused columns are zeros
+            live = torch.arange(length)[None, :] < num[:, None]
+            proposal.tokens = torch.where(live, proposal.tokens, torch.zeros_like(proposal.tokens))
+            proposal.probs = proposal.probs * live[:, :, None]
         return proposal
 
     def plain_round(self, histories, vocab_size, features=None):

@@ -542,6 +542,10 @@ class SpeculativeEngine:
         if self.adaptive is not None:
             n_draft, features, predictions = self.adaptive.plan(proposal.probs, n_draft)
         batch, width = proposal.tokens.shape
+        drafted = max(n_draft.tolist(), default=0)
+        if drafted < width:  # trailing columns no row verifies (an n-gram miss, a pruned budget): a narrower
+            # verify chunk, dense when no row drafts; each slot's coin does not depend on the width
+            proposal.tokens, proposal.probs, width = proposal.tokens[:, :drafted], proposal.probs[:, :drafted], drafted
         last = torch.tensor([h[-1] for h in histories], dtype=torch.int64)
         candidates = torch.cat([last[:, None], proposal.tokens], dim=1)  # [B, width+1]
         out = kv.forward(candidates, n_draft + 1, return_outputs=True, **self._hidden_kwargs)
@@ -718,9 +722,9 @@ def _real_row_probs(logits: torch.Tensor, num_real: torch.Tensor, sampling: Samp
     never reads, are uniform. ``history``: the rows' ``TokenCounts`` (``[B, n, V]``, slot i = committed tokens
     + drafts[:i]) for history-dependent processors, else ``None``."""
     batch, width, vocab = logits.shape
-    real = torch.arange(width, device=logits.device)[None, :] < num_real.to(logits.device)[:, None]
-    if bool(real.all()):
+    if all(n == width for n in num_real.tolist()):  # (a Python test: this runs every round)
         return logits_to_probs_rows(logits, sampling, history).cpu()
+    real = torch.arange(width, device=logits.device)[None, :] < num_real.to(logits.device)[:, None]
     probs = torch.full((batch, width, vocab), 1.0 / vocab, dtype=torch.float32)
     real_cpu = real.cpu()
     if not isinstance(sampling, SamplingParams):  # per-row settings: one per real entry

@@ -15,6 +15,9 @@ import torch
 
 __all__ = ["PendingFeatures"]
 
+#: batches of at most this many rows append with one slice copy per row instead of one indexed copy
+_ROW_COPIES = 4
+
 
 class PendingFeatures:
     """Row ``r``'s first ``counts[r]`` pending feature vectors, in commit order.
@@ -107,25 +110,30 @@ class PendingFeatures:
     def append(self, features: torch.Tensor, counts: torch.Tensor) -> None:
         """Append the first ``counts[r]`` of ``features [B, n, F]`` to row ``r``'s queue (``counts [B] int64``)."""
         self._flush()
-        counts = counts.to("cpu", torch.int64)
-        width = int(counts.max()) if counts.numel() else 0
+        add = counts.to("cpu", torch.int64).tolist()
+        width = max(add, default=0)
         if width == 0:
             return
-        total = self.counts + counts
-        self._ensure(self._store.shape[0], int(total.max()))
+        have = self._counts.tolist()
+        self._ensure(self._store.shape[0], max(h + a for h, a in zip(have, add)))
         features = features.detach().to(self.device, self.dtype)
-        if bool((counts == width).all()):  # every row adds the same number (a plain round: 1 each)
+        if len(add) <= _ROW_COPIES:  # a few rows: one slice copy each (an indexed copy costs more set-up)
+            for r, (slot, h, a) in enumerate(zip(self._row_slot.tolist(), have, add)):
+                if a:
+                    self._store[slot, h : h + a] = features[r, :a]
+        elif all(a == width for a in add):  # every row adds the same number (a plain round: 1 each)
             slots = self._row_slot[:, None].expand(-1, width)
-            columns = self.counts[:, None] + torch.arange(width)[None, :]
+            columns = self._counts[:, None] + torch.arange(width)[None, :]
             self._store[slots.to(self.device), columns.to(self.device)] = features[:, :width]
         else:
+            counts = torch.tensor(add, dtype=torch.int64)
             new = torch.arange(width)[None, :] < counts[:, None]  # [B, width]
             rows, cols = new.nonzero(as_tuple=True)
             slots = self._row_slot.index_select(0, rows)
-            columns = self.counts.index_select(0, rows) + cols
+            columns = self._counts.index_select(0, rows) + cols
             self._store[slots.to(self.device), columns.to(self.device)] = features[rows.to(self.device),
                                                                                    cols.to(self.device)]
-        self.counts = total
+        self._counts = torch.tensor([h + a for h, a in zip(have, add)], dtype=torch.int64)
 
     def append_one(self, features: torch.Tensor) -> None:
         """Append one pair to every row: ``features [B, 1, F]`` (or ``[B, F]``), the round of a plain decode step
@@ -154,11 +162,12 @@ class PendingFeatures:
             ``counts[r]`` columns are its pairs (0 for rows not taken); the rest of each row is unspecified.
         """
         self._flush()
-        counts = torch.where(rows.to("cpu", torch.bool), self.counts, torch.zeros_like(self.counts))
-        width = int(counts.max()) if counts.numel() else 0
+        have = self._counts.tolist()
+        counts = [h if t else 0 for h, t in zip(have, rows.to("cpu", torch.bool).tolist())]
+        width = max(counts, default=0)
         features = self._store[self._row_slot.to(self.device), :width]
-        self.counts = self.counts - counts
-        return features, counts
+        self._counts = torch.tensor([h - c for h, c in zip(have, counts)], dtype=torch.int64)
+        return features, torch.tensor(counts, dtype=torch.int64)
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these rows, in this order (``[B'] int64``); the others' slots are freed (nothing copied)."""

@@ -131,80 +131,99 @@ class SlotKVCache:
         batch, width = input_ids.shape
         if batch != self.batch_size:
             raise ValueError(f"input_ids has {batch} rows but the cache has {self.batch_size}")
-        num_valid = num_valid.to("cpu", torch.int64)
-        if bool(((num_valid < 0) | (num_valid > width)).any()):
+        # The chunk is packed with Python integers: a decode round's chunks hold a few tokens a row, where each
+        # tensor operation costs microseconds (about 5 on these 2-core hosts) and a round ran ~60 of them here.
+        counts = num_valid.to("cpu", torch.int64).tolist()
+        if any(c < 0 or c > width for c in counts):
             raise ValueError(f"num_valid must lie in [0, {width}]")
-        cols = torch.arange(width)
-        valid = cols[None, :] < num_valid[:, None]
-        rows_idx, cols_idx = valid.nonzero(as_tuple=True)
-        start = self.lengths.clone()
-        need = int((start + num_valid).max()) if batch else 0
+        start = self.lengths
+        starts, slots = start.tolist(), self.row_slot.tolist()
+        need = max((s + c for s, c in zip(starts, counts)), default=0)
         if need > self.capacity:
             self._grow(need)
-        base = start.index_select(0, rows_idx)
-        index = base + cols_idx
+        dense = all(c == width for c in counts)  # every column real: packed token p is (p // width, p % width)
+        offsets, rows_l, cols_l, slot_l, index_l = [], [], [], [], []
+        for r, c in enumerate(counts):
+            offsets.append(len(index_l))
+            rows_l += [r] * c
+            cols_l += range(c)
+            slot_l += [slots[r]] * c
+            index_l += range(starts[r], starts[r] + c)
+        packed = torch.tensor([rows_l, cols_l, slot_l, index_l], dtype=torch.int64)  # [4, N]
+        rows_idx, cols_idx, slot_t, index = packed[0], packed[1], packed[2], packed[3]
         if chunk_positions is None:
             position = index
         else:
-            position = base + chunk_positions.to("cpu", torch.int64)[rows_idx, cols_idx]
+            position = (index - cols_idx) + chunk_positions.to("cpu", torch.int64)[rows_idx, cols_idx]
         if chunk_mask is None:
-            visible, tree_base, tree_mask = index + 1, torch.zeros_like(index), torch.zeros_like(index)
+            zeros = torch.zeros_like(index)
+            visible, tree_base, tree_mask = index + 1, zeros, zeros
         else:
             if width > MAX_TREE_NODES:
                 raise ValueError(f"token trees of more than {MAX_TREE_NODES} nodes are not supported, got {width}")
+            valid = torch.arange(width)[None, :] < torch.tensor(counts, dtype=torch.int64)[:, None]
             bits = (chunk_mask.to("cpu", torch.bool) & valid[:, None, :]).to(torch.int64)
-            weights = torch.bitwise_left_shift(torch.ones(width, dtype=torch.int64), cols)
+            weights = torch.bitwise_left_shift(torch.ones(width, dtype=torch.int64), torch.arange(width))
             tree = (bits * weights).sum(-1)  # [B, n] ancestor masks over the chunk
-            visible, tree_base, tree_mask = base.clone(), base.clone(), tree[rows_idx, cols_idx]
+            base = index - cols_idx
+            visible, tree_base, tree_mask = base, base, tree[rows_idx, cols_idx]
         dev = self.device
-        tokens = TokenBatch(
-            ids=input_ids.to("cpu", torch.int64)[rows_idx, cols_idx].to(dev),
-            slot=self.row_slot.index_select(0, rows_idx).to(dev), index=index.to(dev), position=position.to(dev),
-            visible=visible.to(dev), tree_base=tree_base.to(dev), tree_mask=tree_mask.to(dev))
+        ids = input_ids.to("cpu", torch.int64)
+        ids = ids.reshape(-1) if dense else ids[rows_idx, cols_idx]
+        tokens = TokenBatch(ids=ids.to(dev), slot=slot_t.to(dev), index=index.to(dev), position=position.to(dev),
+                            visible=visible.to(dev), tree_base=tree_base.to(dev), tree_mask=tree_mask.to(dev))
+        # logit_sel: the packed tokens whose logits are computed, as (row, output column) pairs
         if logit_columns is not None:
             wanted = logit_columns.to("cpu", torch.int64)
             if wanted.shape != (batch,):
                 raise ValueError(f"logit_columns must have shape [{batch}], got {tuple(wanted.shape)}")
-            logit_rows = (cols_idx == wanted.index_select(0, rows_idx)).nonzero().squeeze(1)
-            keep_cols, out_width = None, 1
+            logit_sel = [(r, 0, offsets[r] + w) for r, w in enumerate(wanted.tolist()) if 0 <= w < counts[r]]
+            out_width = 1
         elif logits_to_keep:
             keep_cols = width - int(logits_to_keep)
-            logit_rows = (cols_idx >= keep_cols).nonzero().squeeze(1)
+            logit_sel = [(r, col - keep_cols, offsets[r] + col) for r, c in enumerate(counts)
+                         for col in range(max(keep_cols, 0), c)]
             out_width = int(logits_to_keep)
         else:
-            logit_rows, keep_cols, out_width = None, 0, width
+            logit_sel, out_width = None, width
+        logit_rows = None if logit_sel is None else torch.tensor([p for _, _, p in logit_sel], dtype=torch.int64)
+        # every output row filled, in [B, out_width] order: the packed outputs are the result, no scatter
+        outputs_full = logit_sel is None and dense or logit_sel is not None and len(logit_sel) == batch * out_width
         layers = self.model.num_layers
         capture = ()
         if output_hidden_states:
             capture = tuple(self.capture) if self.capture is not None else tuple(range(layers + 1))
         extra = {}
         if features is not None:
-            extra["features"] = features.to(dev)[rows_idx.to(dev), cols_idx.to(dev)]
-        rows_only = logit_columns is not None and logit_rows.numel() > 0
+            features = features.to(dev)
+            extra["features"] = (features[:, :width].reshape(batch * width, features.shape[-1]) if dense
+                                 else features[rows_idx.to(dev), cols_idx.to(dev)])
+        rows_only = logit_columns is not None and len(logit_sel) > 0
         if rows_only:  # only the chosen columns' outputs are read: the last layer runs for them only
             extra["rows_only"] = True
-        out = self.model.forward(tokens, self.k, self.v,
-                                 None if logit_rows is None else logit_rows.to(dev), capture, **extra)
-        self.lengths = start + num_valid
-        self._chunk_start, self._chunk_width = start, width
+        out = self.model.forward(tokens, self.k, self.v, None if logit_rows is None else logit_rows.to(dev), capture,
+                                 **extra)
+        self.lengths = torch.tensor([s + c for s, c in zip(starts, counts)], dtype=torch.int64)
+        self._chunk_start, self._chunk_width = start, width  # the old lengths tensor: nothing writes to it now
         self.num_forwards += 1
-        dense = rows_idx.numel() == batch * width  # every column real: rows come out in [B, n] order
         if not dense:
             self.num_packed_forwards += 1
         vocab = out.logits.shape[-1]
-        if dense and logit_rows is None:
-            logits = out.logits.reshape(batch, width, vocab)
+
+        def scatter(rows_tensor: torch.Tensor, sel: list) -> torch.Tensor:
+            """Rows ``[M, X]`` of the selected (row, column) pairs into ``[B, out_width, X]`` zeros."""
+            full = rows_tensor.new_zeros(batch, out_width, rows_tensor.shape[-1])
+            if sel:
+                where = torch.tensor([(r, col) for r, col, _ in sel], dtype=torch.int64)
+                full[where[:, 0].to(dev), where[:, 1].to(dev)] = rows_tensor
+            return full
+
+        if outputs_full:
+            logits = out.logits.reshape(batch, out_width, vocab)
+        elif logit_sel is None:  # every column's logits, holes zero
+            logits = scatter(out.logits, [(r, col, 0) for r, col in zip(rows_l, cols_l)])
         else:
-            logits = out.logits.new_zeros(batch, out_width, vocab)
-            sel_rows = rows_idx if logit_rows is None else rows_idx.index_select(0, logit_rows)
-            if logit_rows is None:
-                sel_cols = cols_idx
-            elif keep_cols is None:  # logit_columns: one output column per row
-                sel_cols = torch.zeros(logit_rows.numel(), dtype=torch.int64)
-            else:
-                sel_cols = cols_idx.index_select(0, logit_rows) - keep_cols
-            if sel_rows.numel():
-                logits[sel_rows.to(dev), sel_cols.to(dev)] = out.logits
+            logits = scatter(out.logits, logit_sel)
         if not return_outputs:
             return logits
 
@@ -219,9 +238,12 @@ class SlotKVCache:
         if output_hidden_states:
             hidden_states = tuple(unpack(out.captured[i]) if i in out.captured else None for i in range(layers + 1))
         if logit_columns is not None:  # hidden of the chosen columns only, [B, 1, h] like the logits
-            hidden = out.hidden.new_zeros(batch, 1, out.hidden.shape[-1])
-            if rows_only:
-                hidden[sel_rows.to(dev), 0] = out.hidden
+            if not rows_only:
+                hidden = out.hidden.new_zeros(batch, 1, out.hidden.shape[-1])
+            elif outputs_full:
+                hidden = out.hidden.reshape(batch, 1, out.hidden.shape[-1])
+            else:
+                hidden = scatter(out.hidden, logit_sel)
         else:
             hidden = unpack(out.hidden)
         return SimpleNamespace(logits=logits, hidden_states=hidden_states, hidden=hidden)
@@ -234,7 +256,8 @@ class SlotKVCache:
             ValueError: a length that is negative or longer than the row.
         """
         lengths = lengths.to("cpu", torch.int64)
-        if bool(((lengths < 0) | (lengths > self.lengths)).any()):
+        if lengths.shape != self.lengths.shape or any(
+                n < 0 or n > have for n, have in zip(lengths.tolist(), self.lengths.tolist())):
             raise ValueError("truncate lengths must lie in [0, current length] per row")
         self.lengths = lengths.clone()
 
