@@ -208,3 +208,49 @@ def test_gbv_sampled_output_follows_the_target_law(num_paths, params):
     results = engine.generate([prompt] * n_req, 3, batch_size=n_req, seeds=list(range(n_req)))
     assert any(r.rounds[0].accepted > 0 for r in results)
     assert_first_tokens_follow(results, _exact_joint(model, prompt, params, 2), n_req)
+
+
+def test_a_round_pruned_to_no_drafts_still_counts_for_tts():
+    """A round whose proposal adaptive verification prunes to nothing verifies a one-token chunk (the proposal is
+    trimmed to the widest real draft), and still reaches Test-Time Speculation's round counter (its stride)."""
+    from types import SimpleNamespace as NS
+
+    from specadapt.engine.native.cache import SlotKVCache
+    from specadapt.sampling import SamplingParams
+
+    vocab, batch, width = 8, 2, 3
+
+    class Stack:  # a model that only has the shapes: the loop's bookkeeping is under test
+        num_layers, device = 1, torch.device("cpu")
+
+        def new_kv(self, slots, capacity):
+            capacity = -(-capacity // 16) * 16
+            return torch.zeros(1, slots, 1, capacity // 16, 1, 16), torch.zeros(1, slots, 1, capacity, 1)
+
+        def forward(self, tokens, k, v, logit_rows, capture, **extra):
+            n = tokens.ids.shape[0]
+            self.widths.append(n)
+            return NS(logits=torch.zeros(n if logit_rows is None else logit_rows.shape[0], vocab),
+                      hidden=torch.zeros(n, 4), captured={})
+
+    stack = Stack()
+    stack.widths = []
+    calls = []
+    proposal = NS(tokens=torch.ones(batch, width, dtype=torch.int64), probs=torch.full((batch, width, vocab), 1 / vocab),
+                  num_tokens=torch.tensor([3, 2]))
+    engine = NS(num_draft_tokens=width, _speculate=None, _round_limit=None, vocab_size=vocab, _draft_filter=None,
+                _hidden_kwargs={}, _counts=None, _target_params=SamplingParams(temperature=0), verify_impl="auto",
+                rule=NS(plain_rule="chain"), _row_seeds=torch.tensor([1, 2]), _needs_target_history=lambda: False,
+                draft=NS(history_counts=None, needs_target_hidden=False, propose=lambda *a, **k: proposal,
+                         commit=lambda accept: calls.append("commit")),
+                adaptive=NS(plan=lambda probs, n: (torch.zeros(batch, dtype=torch.int64), None, None),
+                            observe=lambda *a: calls.append("observe")),
+                tts=NS(end_round=lambda h, tokens, *rest: calls.append(("tts", tuple(tokens.shape)))))
+    engine._coins = lambda histories, w: SpeculativeEngine._coins(engine, histories, w)
+    kv = SlotKVCache(stack, batch, 16)
+    kv.forward(torch.ones(batch, 2, dtype=torch.int64), torch.tensor([2, 2]))
+    accept, _, n_draft = SpeculativeEngine._single_path_round(engine, kv, [[1, 2, 3], [4, 5, 6]], torch.tensor([9, 9]))
+    assert accept.tolist() == [0, 0] and n_draft.tolist() == [0, 0]
+    assert stack.widths[-1] == batch  # one token a row: the pruned columns were not run
+    assert kv.lengths.tolist() == [3, 3]
+    assert calls == ["commit", "observe", ("tts", (batch, 0))]

@@ -542,7 +542,7 @@ class SpeculativeEngine:
         if self.adaptive is not None:
             n_draft, features, predictions = self.adaptive.plan(proposal.probs, n_draft)
         batch, width = proposal.tokens.shape
-        drafted = max(n_draft.tolist(), default=0)
+        proposed, drafted = width, max(n_draft.tolist(), default=0)
         if drafted < width:  # trailing columns no row verifies (an n-gram miss, a pruned budget): a narrower
             # verify chunk, dense when no row drafts; each slot's coin does not depend on the width
             proposal.tokens, proposal.probs, width = proposal.tokens[:, :drafted], proposal.probs[:, :drafted], drafted
@@ -572,7 +572,7 @@ class SpeculativeEngine:
         self.draft.commit(accept_len)
         if self.adaptive is not None:
             self.adaptive.observe(features, predictions, accept_len, n_draft)
-        if self.tts is not None and width > 0:
+        if self.tts is not None and proposed > 0:  # (the round counts for TTS's stride even if all was pruned)
             self.tts.end_round(histories, proposal.tokens, n_draft, accept_len, target_probs, proposal.probs)
         return accept_len, out.output_tokens, n_draft
 

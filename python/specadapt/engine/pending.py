@@ -115,6 +115,8 @@ class PendingFeatures:
         if width == 0:
             return
         have = self._counts.tolist()
+        if len(add) != len(have):
+            raise ValueError(f"counts must have {len(have)} entries (one per row), got {len(add)}")
         self._ensure(self._store.shape[0], max(h + a for h, a in zip(have, add)))
         features = features.detach().to(self.device, self.dtype)
         if len(add) <= _ROW_COPIES:  # a few rows: one slice copy each (an indexed copy costs more set-up)
@@ -162,8 +164,10 @@ class PendingFeatures:
             ``counts[r]`` columns are its pairs (0 for rows not taken); the rest of each row is unspecified.
         """
         self._flush()
-        have = self._counts.tolist()
-        counts = [h if t else 0 for h, t in zip(have, rows.to("cpu", torch.bool).tolist())]
+        have, taken = self._counts.tolist(), rows.to("cpu", torch.bool).tolist()
+        if len(taken) != len(have):
+            raise ValueError(f"rows must have {len(have)} entries (one per row), got {len(taken)}")
+        counts = [h if t else 0 for h, t in zip(have, taken)]
         width = max(counts, default=0)
         features = self._store[self._row_slot.to(self.device), :width]
         self._counts = torch.tensor([h - c for h, c in zip(have, counts)], dtype=torch.int64)
