@@ -7,7 +7,9 @@ the round (``engine.step`` per draft kind, so a ``--baseline`` run gives the tar
 slot-cache forwards by model and chunk width (``kv.forward:NativeLlama/w3`` = a target forward of 3 tokens),
 the decoder stack (``run_layers:N3``; ``head`` for the EAGLE head's layer), the LM heads by vocabulary and rows,
 the draft's proposal and its parts (catch-up feed, head step, sampling), the target's sampling transform
-(``target_probs``) and verification. Timers cost about a microsecond per call; the figures of one run compare
+(``target_probs``) and verification, and per round kind the time inside specadapt's kernels (``kernels``: the
+forwards, LM heads, sampling transform, verification) and the rest (``outside kernels``: the engine's own Python
+and small tensor operations, which a faster forward does not shrink). Timers cost about a microsecond per call; the figures of one run compare
 with each other, not with another machine's or another run's (these CPUs drift by 10-30% between runs).
 
     python scripts/profile_round.py -- --draft eagle --num-draft-tokens 2 --batch-size 1 --dataset aime24 \
@@ -27,6 +29,8 @@ import time
 
 def _install_timers(totals: dict, counts: collections.Counter) -> None:
     """Replace the timed methods by wrappers that add their wall-clock time to ``totals[label]``."""
+    import torch
+
     from specadapt import kernels
     from specadapt.engine import drafts, eagle_draft
     from specadapt.engine import loop as loop_mod
@@ -47,7 +51,39 @@ def _install_timers(totals: dict, counts: collections.Counter) -> None:
 
         setattr(owner, name, timed)
 
-    wrap(loop_mod.SpeculativeEngine, "step", "engine.step", key=lambda a: type(a[0].draft).__name__)
+    inside = {"step": None}  # the draft kind of the round running now (kernel time is split by it)
+
+    def step_timed(original):
+        def timed(*args, **kwargs):
+            kind = type(args[0].draft).__name__
+            inside["step"] = kind
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                inside["step"] = None
+                totals[f"engine.step:{kind}"] += time.perf_counter() - start
+                counts[f"engine.step:{kind}"] += 1
+        return timed
+
+    loop_mod.SpeculativeEngine.step = step_timed(loop_mod.SpeculativeEngine.step)
+    # every specadapt kernel a round calls, summed per round kind: the round minus its kernels is the engine's own
+    # Python and small tensor operations (the bookkeeping a faster forward does not shrink)
+    ops = torch.ops.specadapt
+    for name in ("native_llama_forward", "native_linear", "native_embedding", "sampling_probs", "sample_tokens",
+                 "chain_verify", "block_verify", "gbv_verify"):
+        if not hasattr(ops, name):
+            continue
+
+        def op_timed(*args, _op=getattr(ops, name), **kwargs):
+            start = time.perf_counter()
+            try:
+                return _op(*args, **kwargs)
+            finally:
+                if inside["step"] is not None:
+                    totals[f"kernels:{inside['step']}"] += time.perf_counter() - start
+
+        setattr(ops, name, op_timed)
     wrap(cache_mod.SlotKVCache, "forward", "kv.forward",
          key=lambda a: f"{type(a[0].model).__name__}/w{a[1].shape[1]}")
     wrap(model_mod.NativeLlama, "run_layers", "run_layers",
@@ -85,6 +121,13 @@ def main() -> int:
     print(f"\nper component (inclusive wall-clock; {cpu_name()}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads)")
     print(f"{'component':42s} {'calls':>7s} {'total ms':>10s} {'ms/call':>9s}")
+    for label in [k for k in totals if k.startswith("kernels:")]:  # per round, and the rest of the round
+        kind = label.split(":", 1)[1]
+        rounds, kernel_s = counts[f"engine.step:{kind}"], totals.pop(label)
+        if rounds:
+            totals[label], counts[label] = kernel_s, rounds
+            totals[f"outside kernels:{kind}"] = totals[f"engine.step:{kind}"] - kernel_s
+            counts[f"outside kernels:{kind}"] = rounds
     for label in sorted(totals, key=lambda k: -totals[k]):
         if counts[label] < args.min_calls:
             continue
