@@ -9,7 +9,9 @@ the decoder stack (``run_layers:N3``; ``head`` for the EAGLE head's layer), the 
 the draft's proposal and its parts (catch-up feed, head step, sampling), the target's sampling transform
 (``target_probs``) and verification, and per round kind the time inside specadapt's kernels (``kernels``: the
 forwards, LM heads, sampling transform, verification) and the rest (``outside kernels``: the engine's own Python
-and small tensor operations, which a faster forward does not shrink). Timers cost about a microsecond per call; the figures of one run compare
+and small tensor operations, which a faster forward does not shrink); then the machine's copy rate, measured
+after the run, and each round kind's time as a multiple of the target's weight floor (its native weights read
+once at that rate). Timers cost about a microsecond per call; the figures of one run compare
 with each other, not with another machine's or another run's (these CPUs drift by 10-30% between runs).
 
     python scripts/profile_round.py -- --draft eagle --num-draft-tokens 2 --batch-size 1 --dataset aime24 \
@@ -85,7 +87,7 @@ def _install_timers(totals: dict, counts: collections.Counter) -> None:
 
         setattr(ops, name, op_timed)
     wrap(cache_mod.SlotKVCache, "forward", "kv.forward",
-         key=lambda a: f"{type(a[0].model).__name__}/w{a[1].shape[1]}")
+         key=lambda a: _note_target(a[0].model) or f"{type(a[0].model).__name__}/w{a[1].shape[1]}")
     wrap(model_mod.NativeLlama, "run_layers", "run_layers",
          key=lambda a: f"N{a[1].shape[0]}" if a[0].num_layers > 1 else "head")
     wrap(model_mod.NativeLlama, "logits", "lm_head", key=lambda a: f"V{a[0].vocab_size}/M{a[1].shape[0]}")
@@ -99,6 +101,14 @@ def _install_timers(totals: dict, counts: collections.Counter) -> None:
     wrap(kernels, "verify", "verify")
 
 
+_TARGET: dict = {}  # the target's native model, seen at its first forward (its weight bytes set the floor)
+
+
+def _note_target(model) -> None:
+    if "model" not in _TARGET and getattr(model, "num_layers", 0) > 1 and hasattr(model, "weight_bytes"):
+        _TARGET["model"] = model
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  usage="%(prog)s [--min-calls N] -- GENERATE_ARGS...")
@@ -110,7 +120,7 @@ def main() -> int:
         ap.error("give the `specadapt generate` arguments after --")
     import torch
 
-    from specadapt.bench.forward import cpu_name
+    from specadapt.bench.forward import cpu_name, measure_machine
 
     totals: dict = collections.defaultdict(float)
     counts: collections.Counter = collections.Counter()
@@ -132,6 +142,14 @@ def main() -> int:
         if counts[label] < args.min_calls:
             continue
         print(f"{label:42s} {counts[label]:7d} {totals[label] * 1e3:10.1f} {totals[label] / counts[label] * 1e3:9.3f}")
+    if "model" in _TARGET:  # the machine's own limit, measured now: one read of the target's weights
+        machine = measure_machine("cpu")
+        floor_ms = _TARGET["model"].weight_bytes / (machine["copy_gbps"] * 1e9) * 1e3
+        print(f"\nmachine: copy {machine['copy_gbps']:.1f} GB/s; target weight floor {floor_ms:.2f} ms "
+              f"({_TARGET['model'].weight_bytes / 1e6:.0f} MB at the copy rate)")
+        for label in [k for k in totals if k.startswith("engine.step:")]:
+            per_round = totals[label] / counts[label] * 1e3
+            print(f"{label:42s} {per_round:7.3f} ms = {per_round / floor_ms:5.2f}x the weight floor")
     return int(code or 0)
 
 

@@ -42,3 +42,16 @@ def test_coins_are_uniform():
     small = np.concatenate([request_coins(torch.tensor([s]), torch.tensor([3]), DRAFT, 8)[0].numpy()
                             for s in range(500)])
     assert stats.kstest(small, "uniform").pvalue > 1e-4
+
+
+@pytest.mark.parametrize("batch", [1, 6])
+def test_a_slots_coin_does_not_depend_on_the_rounds_width(batch):
+    """The loop trims a verify chunk to its widest real draft; that is exact only because slot i's coin is the
+    same whatever the width asked for (small-call and NumPy paths alike)."""
+    seeds, counters = torch.arange(batch) * 7 + 3, torch.arange(batch) + 100
+    for role in (ACCEPT, DRAFT):
+        wide = request_coins(seeds, counters, role, 40, small_call=0)  # the NumPy path
+        for width in (0, 1, 3, 17, 40):
+            for small_call in (0, 10_000):
+                narrow = request_coins(seeds, counters, role, width, small_call=small_call)
+                assert torch.equal(narrow, wide[:, :width])

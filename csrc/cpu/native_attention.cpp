@@ -669,36 +669,22 @@ void attention(const float* q, int64_t ldq, const void* k_layer, const void* v_l
   // (units by cost, queries x keys, each to the least-loaded bucket). Which thread computes a unit never
   // changes its result.
   const std::vector<std::vector<int64_t>> buckets = balance_units(units, at::get_num_threads());
-  // one unit's partial results [m, l, o] (each unit writes only its own slice of `partial`)
+  // one unit's partial results [m, l, o] (each unit writes only its own slice of `partial`), by the kernel of
+  // the active ISA over the cache's stored type (float16 bits or float32)
   auto run_unit = [&](int64_t i, std::vector<float>& scores) {
     float* part = partial.data() + offset[i] * (D + 2);
     const Unit& u = units[i];
-    const float* kf = static_cast<const float*>(k_layer);
-    const float* vf = static_cast<const float*>(v_layer);
-    const uint16_t* kh = static_cast<const uint16_t*>(k_layer);
-    const uint16_t* vh = static_cast<const uint16_t*>(v_layer);
+    auto run = [&](const auto* k, const auto* v) {
 #if SA_ATT_X86
-    if (wide) {
-      if (half_cache) {
-        unit_avx512(u, q, ldq, kh, vh, Hkv, C, D, scale, part, scores);
-      } else {
-        unit_avx512(u, q, ldq, kf, vf, Hkv, C, D, scale, part, scores);
-      }
-      return;
-    }
-    if (wide2) {
-      if (half_cache) {
-        unit_avx2(u, q, ldq, kh, vh, Hkv, C, D, scale, part, scores);
-      } else {
-        unit_avx2(u, q, ldq, kf, vf, Hkv, C, D, scale, part, scores);
-      }
-      return;
-    }
+      if (wide) return unit_avx512(u, q, ldq, k, v, Hkv, C, D, scale, part, scores);
+      if (wide2) return unit_avx2(u, q, ldq, k, v, Hkv, C, D, scale, part, scores);
 #endif
+      unit_generic(u, q, ldq, k, v, Hkv, C, D, scale, part, scores);
+    };
     if (half_cache) {
-      unit_generic(u, q, ldq, kh, vh, Hkv, C, D, scale, part, scores);
+      run(static_cast<const uint16_t*>(k_layer), static_cast<const uint16_t*>(v_layer));
     } else {
-      unit_generic(u, q, ldq, kf, vf, Hkv, C, D, scale, part, scores);
+      run(static_cast<const float*>(k_layer), static_cast<const float*>(v_layer));
     }
   };
   at::parallel_for(0, static_cast<int64_t>(buckets.size()), 1, [&](int64_t begin, int64_t end) {

@@ -15,7 +15,8 @@ import torch
 
 __all__ = ["PendingFeatures"]
 
-#: batches of at most this many rows append with one slice copy per row instead of one indexed copy
+#: batches of at most this many rows append with one slice copy per row instead of one indexed copy (batch 1, an
+#: append of 2 pairs + a take: 28.7 us against 40.2 on a 2-core AMX Xeon)
 _ROW_COPIES = 4
 
 
