@@ -113,6 +113,7 @@ class AdaptiveVerification:
     _round_is_probe: bool = field(default=False, init=False)
     _round_limit: int | None = field(default=None, init=False)
     _predicted_ms: float | None = field(default=None, init=False)
+    _off_round_ms: dict = field(default_factory=dict, init=False)  # batch size -> the table's cost of a round off
     # draft_caps' features of the positions drafted so far, and its num_drafts at step 0 (the proposed depths)
     _round_features: torch.Tensor | None = field(default=None, init=False)
     _round_proposed: torch.Tensor | None = field(default=None, init=False)
@@ -342,7 +343,9 @@ class AdaptiveVerification:
     def _cost_off_round(self, batch: int) -> None:
         """Cost a round with speculation off (for :meth:`record_round_time`); the next ``B*`` stays 0."""
         self._plan_refits = self.estimator.refits
-        self._predicted_ms = self._round_cost(batch, 0, 0)
+        if batch not in self._off_round_ms:  # the (fixed) table's interpolation once per batch size: this runs
+            self._off_round_ms[batch] = self._round_cost(batch, 0, 0)  # every round that speculation is off
+        self._predicted_ms = self._off_round_ms[batch]
         self._predicted_off = True
         self._learn_round = self.stale_budget is not None
         self._round_features = self._round_proposed = None

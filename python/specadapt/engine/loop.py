@@ -446,20 +446,27 @@ class SpeculativeEngine:
                                   for row in self._rows], dtype=torch.int64)
         round_start = time.perf_counter()
         self._speculate = None
+        wants = [row.request.speculate for row in self._rows]
         if self.speculation == "off":
-            self._speculate = torch.zeros(len(self._rows), dtype=torch.bool)
-        elif not all(row.request.speculate for row in self._rows):
-            self._speculate = torch.tensor([row.request.speculate for row in self._rows], dtype=torch.bool)
+            wants = [False] * len(wants)
         self._round_limit = self.adaptive.round_draft_limit() if self.adaptive is not None else None
         self._target_params = self._row_params(self.sampling)
         draft_default = getattr(self.draft, "sampling", None)
         self.draft.row_sampling = (None if draft_default is None or isinstance(self._target_params, SamplingParams)
                                    else self._row_params(draft_default))
-        plain = self._round_limit == 0 or (self._speculate is not None and not bool(self._speculate.any()))
-        if self.rule.multi_path and not plain and int(remaining.max()) > 1:
-            accept_len, output_tokens, n_draft = self._gbv_round(kv, histories, remaining)
+        plain = self._round_limit == 0 or not any(wants)
+        if self._round_limit == 0 or (self.adaptive is None and plain):
+            # speculation off for the whole batch: straight to the plain step (what the general round would reach
+            # with every row's draft limit 0), without building limits to find that out -- it runs every round
+            # speculation is off, where each tensor operation is overhead over target-only decoding
+            accept_len, output_tokens, n_draft = self._plain_round(kv, histories)
         else:
-            accept_len, output_tokens, n_draft = self._single_path_round(kv, histories, remaining)
+            if not all(wants):
+                self._speculate = torch.tensor(wants, dtype=torch.bool)
+            if self.rule.multi_path and not plain and int(remaining.max()) > 1:
+                accept_len, output_tokens, n_draft = self._gbv_round(kv, histories, remaining)
+            else:
+                accept_len, output_tokens, n_draft = self._single_path_round(kv, histories, remaining)
         # the host reads this round's tokens just below (a sync on CUDA anyway): read the verification kernels'
         # device error flags with it (nothing to read on CPU, whose kernels raise directly)
         kernels.check_device_errors()
