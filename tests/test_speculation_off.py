@@ -311,6 +311,42 @@ def test_adaptive_gbv_sampled_output_follows_the_target_law():
     assert_first_tokens_follow(results, _exact_joint(model, prompt, params, 2), n_req)
 
 
+def test_rounds_off_go_straight_to_the_plain_step(tiny_target, monkeypatch):
+    """A round whose batch speculates nowhere (--speculation off, AV's B* = 0, every request opted out) runs the
+    plain step without entering the general round (its per-row limit tensors are pure overhead there), and gives
+    target-only's tokens; a batch where some row speculates still takes the general round."""
+    n = 10
+    expected = [naive_greedy(tiny_target.model, p, n) for p in PROMPTS]
+    general = []
+    original = SpeculativeEngine._single_path_round
+
+    def counted(self, *args, **kwargs):
+        general.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeEngine, "_single_path_round", counted)
+    draft = ModelDraft(self_draft(tiny_target, 1), GREEDY, 0, "self:1")
+    off = SpeculativeEngine(tiny_target, draft, GREEDY, 3, "chain", speculation="off").generate(PROMPTS, n)
+    av = _av(3, STEEP, probe_interval=64, probe_interval_max=64)
+    av.stale_budget = 0  # past the opening probe, speculation switched off
+    by_av = SpeculativeEngine(tiny_target, draft, GREEDY, 3, "chain", adaptive=av).generate(PROMPTS, n)
+    engine = SpeculativeEngine(tiny_target, draft, GREEDY, 3, "chain")
+    opted_out = [Request(p, n, speculate=False) for p in PROMPTS]
+    engine.open_batch()
+    engine.join(opted_out)
+    while engine.num_active:
+        engine.step()
+    assert [r.output_ids for r in off] == [r.output_ids for r in by_av] == expected
+    assert [r.result.output_ids for r in opted_out] == expected
+    assert general == [] and av.rounds_off > 0
+    mixed = [Request(p, n, speculate=i != 0) for i, p in enumerate(PROMPTS)]
+    engine.open_batch()
+    engine.join(mixed)
+    while engine.num_active:
+        engine.step()
+    assert [r.result.output_ids for r in mixed] == expected and general
+
+
 def test_speculation_switch(tiny_target):
     n = 12
     expected = [naive_greedy(tiny_target.model, p, n) for p in PROMPTS]
