@@ -24,9 +24,11 @@ import time
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mode", choices=["off", "av"], default="off")
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--dataset", default="aime24")
+    ap.add_argument("--mode", choices=["off", "av"], default="off",
+                    help="off: the EAGLE draft loaded with --speculation off (every round plain); av: adaptive "
+                         "verification, its rounds off only (default: off)")
+    ap.add_argument("--model", default="smollm2-135m", help="target model spec (default: smollm2-135m)")
+    ap.add_argument("--dataset", default="aime24", help="prompts: a bundled dataset or a .jsonl file (default: aime24)")
     ap.add_argument("--limit", type=int, default=3, help="prompts, decoded one after another at batch 1")
     ap.add_argument("--max-new-tokens", type=int, default=700)
     ap.add_argument("--num-draft-tokens", type=int, default=7, help="L of the AV engine")

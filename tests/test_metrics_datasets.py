@@ -160,3 +160,22 @@ def test_tokens_past_first_eos_and_the_ignore_eos_share():
     assert report["summary"]["share_past_first_eos"] == pytest.approx(5 / 10)
     plain = build_report({}, prompts, tok, results, 1.0, None, None, (0,), 1)
     assert plain["summary"]["share_past_first_eos"] is None and "tokens_past_first_eos" not in plain["requests"][0]
+
+
+def test_the_summary_says_what_batch_actually_ran(capsys):
+    """Fewer requests than --batch-size: the summary line names the requests that ran together, not the flag."""
+    from tests.helpers.models import loaded, tiny_llama
+
+    from specadapt.cli.report import print_report
+    from specadapt.engine import NoDraft
+
+    _, report = _engine_report(loaded(tiny_llama(seed=0)), NoDraft(), "chain", 4)
+    base = {"model": "tiny", "draft": "none", "verify": "chain", "num_draft_tokens": 0, "temperature": 0.0,
+            "top_p": 1.0}
+    report["config"] = dict(base, batch_size=3)
+    print_report(report)
+    assert "batch=1 (--batch-size 3)" in capsys.readouterr().out
+    report["config"] = dict(base, batch_size=1)
+    print_report(report)
+    out = capsys.readouterr().out
+    assert "batch=1 " in out and "--batch-size" not in out

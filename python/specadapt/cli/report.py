@@ -118,10 +118,13 @@ def print_report(report: dict) -> None:
         )
     s = report["summary"]
     cfg = report["config"]
+    batch = cfg["batch_size"]
+    if 0 < len(report["requests"]) < batch:  # fewer requests than --batch-size: say what actually ran together
+        batch = f"{len(report['requests'])} (--batch-size {cfg['batch_size']})"
     print()
     print(
         f"target {cfg['model']}  draft {cfg['draft']}  verify {cfg['verify']}  L={cfg['num_draft_tokens']}  "
-        f"T={cfg['temperature']}  top-p={cfg['top_p']}  batch={cfg['batch_size']}  "
+        f"T={cfg['temperature']}  top-p={cfg['top_p']}  batch={batch}  "
         f"forward {cfg.get('forward_used', '?')} {cfg.get('weight_format', '?')}"
     )
     if s["baseline_tokens_per_s"] is None:
