@@ -1,13 +1,15 @@
 #!/usr/bin/env python
 """What a round with speculation off costs over a target-only round, timed in lock-step.
 
-Two engines on the same target decode the same prompts side by side, alternating rounds (which of the two goes
-first alternates too), so the host's drift hits both alike: a target-only engine and one with the EAGLE draft
-loaded and speculation off (``--mode off``: ``--speculation off``, every round a plain target step that queues the
-head's features), or with adaptive verification (``--mode av``: only the rounds its budget switched off are
-compared, a probe or speculative round is left out). Prints the median and mean of the paired per-round
-difference (us) beside the two medians, and the CPU. In ``off`` mode both engines draw the same coins, so their
-text must be equal (checked); in ``av`` mode a probe's accepted draft can change the text that follows.
+Two engines on the same target decode the same prompts side by side, one round each in turn (which of the two
+goes first alternates), so the host's drift hits both alike: a target-only engine and the engine
+``specadapt generate`` builds with the EAGLE draft and speculation off (``--mode off``: ``--speculation off``,
+every round a plain target step that queues the head's features) or with adaptive verification (``--mode av``:
+``--adaptive-verification``; only the rounds its budget switched off are compared, a probe or speculative round
+is left out). Prints the CPU, the machine's copy rate and the target's weight floor measured in the same run,
+the two engines' median round, and the median and mean of the paired per-round difference. In ``off`` mode both
+engines draw the same coins, so their text must be equal (checked); in ``av`` mode a probe's accepted draft can
+change the text that follows.
 
     python scripts/bench_plain_round.py --mode av --limit 3 --max-new-tokens 700
 
@@ -37,61 +39,65 @@ def main() -> int:
         ap.error("--limit, --max-new-tokens and --num-draft-tokens must be positive")
     import torch
 
-    from specadapt.bench.forward import cpu_name
+    from specadapt.bench.forward import cpu_name, measure_machine
     from specadapt.cli import generate as generate_cli
-    from specadapt.cli.engine_args import _adaptive, _tokenize, load_target_and_draft
+    from specadapt.cli.engine_args import _tokenize, build_engine, validate_engine_args
     from specadapt.datasets import load_prompts
-    from specadapt.engine.drafts import NoDraft
-    from specadapt.engine.loop import Request, SpeculativeEngine
-    from specadapt.sampling import SamplingParams
+    from specadapt.engine import NoDraft, SpeculativeEngine
+    from specadapt.engine.loop import Request
 
-    sampling = SamplingParams(1.0, top_p=0.95)
-    target, draft = load_target_and_draft(args.model, "eagle", sampling, 0, "auto", "cpu", forward="native")
-    prompts = [_tokenize(target.tokenizer, p.text) for p in load_prompts(args.dataset, limit=args.limit)]
-    plain = SpeculativeEngine(target, NoDraft(), sampling, 0, seed=0)
-    adaptive = None
-    if args.mode == "av":
-        parser = argparse.ArgumentParser()
-        generate_cli.add_parser(parser.add_subparsers())
-        flags = parser.parse_args(["generate", "--draft", "eagle", "--adaptive-verification", "--batch-size", "1",
-                                   "--num-draft-tokens", str(args.num_draft_tokens)])
-        adaptive = _adaptive(flags, target, draft, 1)
-        other = SpeculativeEngine(target, draft, sampling, args.num_draft_tokens, seed=0, adaptive=adaptive)
-    else:
-        other = SpeculativeEngine(target, draft, sampling, 1, seed=0, speculation="off")
+    parser = argparse.ArgumentParser()
+    generate_cli.add_parser(parser.add_subparsers())
+    mode_flags = (["--adaptive-verification", "--num-draft-tokens", str(args.num_draft_tokens)] if args.mode == "av"
+                  else ["--speculation", "off", "--num-draft-tokens", "1"])
+    flags = parser.parse_args(["generate", "--model", args.model, "--draft", "eagle", "--batch-size", "1",
+                               *mode_flags])
+    validate_engine_args(flags)
+    built = build_engine(flags, 1)  # the target, the draft and the engine as `specadapt generate` builds them
+    other, adaptive = built.engine, built.adaptive
+    plain = SpeculativeEngine(built.target, NoDraft(), built.sampling, 0, seed=flags.seed)
+    prompts = [_tokenize(built.target.tokenizer, p.text) for p in load_prompts(args.dataset, limit=args.limit)]
     ms = {"target-only": [], args.mode: []}
     for prompt in prompts:
         texts = {"target-only": [], args.mode: []}
         for engine in (plain, other):
             engine.open_batch()
-            engine.join([Request(prompt, args.max_new_tokens, 0)])
+            engine.join([Request(prompt, args.max_new_tokens, flags.seed)])
         turn = 0
         while plain.num_active and other.num_active:
-            times = {}
             order = [("target-only", plain), (args.mode, other)]
+            times, off_round = {}, True
             for name, engine in order if turn % 2 == 0 else order[::-1]:
                 off_before = adaptive.rounds_off if adaptive is not None else 0
                 start = time.perf_counter()
                 events = engine.step()
                 times[name] = (time.perf_counter() - start) * 1e3
                 texts[name].extend(events[0][1])
-                if adaptive is not None and name == "av" and adaptive.rounds_off == off_before:
-                    times = None  # a probe or speculative round: not a round off
-                    break
+                if adaptive is not None and engine is other:
+                    off_round = adaptive.rounds_off > off_before  # a probe or speculative round: not compared
             turn += 1
-            if times is not None and len(times) == 2:
+            if off_round:
                 for name, value in times.items():
                     ms[name].append(value)
         for engine in (plain, other):
             engine.close_batch()
-        if args.mode == "off" and texts["target-only"] != texts["off"][: len(texts["target-only"])]:
+        shorter = min(len(texts["target-only"]), len(texts[args.mode]))
+        if args.mode == "off" and texts["target-only"][:shorter] != texts["off"][:shorter]:
             raise SystemExit("the two engines decoded different text: the plain round's coins changed")
+    built.close()
+    if not ms["target-only"]:
+        raise SystemExit("no round to compare (every adaptive-verification round drafted)")
+    machine = measure_machine("cpu")
+    floor_ms = built.target.native.weight_bytes / (machine["copy_gbps"] * 1e9) * 1e3 if built.target.native else None
     diffs = [b - a for a, b in zip(ms["target-only"], ms[args.mode])]
+    base = statistics.median(ms["target-only"])
     print(f"{cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads; {len(diffs)} paired rounds "
-          f"(batch 1, {args.dataset}, {args.limit} prompts)")
-    print(f"median ms: target-only {statistics.median(ms['target-only']):.3f}, {args.mode} "
-          f"{statistics.median(ms[args.mode]):.3f}; paired difference: median {statistics.median(diffs) * 1e3:.0f} us, "
-          f"mean {statistics.fmean(diffs) * 1e3:.0f} us")
+          f"(batch 1, {args.dataset}, {args.limit} prompts); copy {machine['copy_gbps']:.1f} GB/s"
+          + (f", target weight floor {floor_ms:.2f} ms" if floor_ms else ""))
+    print(f"median ms: target-only {base:.3f}" + (f" ({base / floor_ms:.2f}x the floor)" if floor_ms else "")
+          + f", {args.mode} {statistics.median(ms[args.mode]):.3f}; paired difference: median "
+          f"{statistics.median(diffs) * 1e3:.0f} us ({100 * statistics.median(diffs) / base:.1f}% of a target-only "
+          f"round), mean {statistics.fmean(diffs) * 1e3:.0f} us")
     return 0
 
 

@@ -343,8 +343,8 @@ class AdaptiveVerification:
     def _cost_off_round(self, batch: int) -> None:
         """Cost a round with speculation off (for :meth:`record_round_time`); the next ``B*`` stays 0."""
         self._plan_refits = self.estimator.refits
-        if batch not in self._off_round_ms:  # the (fixed) table's interpolation once per batch size: this runs
-            self._off_round_ms[batch] = self._round_cost(batch, 0, 0)  # every round that speculation is off
+        if batch not in self._off_round_ms:  # a plain target step of `batch` tokens (no draft work), interpolated
+            self._off_round_ms[batch] = self.costs.verify_cost(batch)  # from the fixed table once per batch size
         self._predicted_ms = self._off_round_ms[batch]
         self._predicted_off = True
         self._learn_round = self.stale_budget is not None

@@ -315,7 +315,7 @@ class NgramIndex:
             for n, table in self._tables.items():
                 if c >= n:
                     table[tuple(h[c - n : c])] = c
-        self._indexed = max(self._indexed, size)
+        self._indexed = size  # (indexes() refuses a history shorter than this)
         if max_tokens <= 0:
             return []
         for n in range(min(self.max_ngram, size - 1), self.min_ngram - 1, -1):

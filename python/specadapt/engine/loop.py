@@ -455,7 +455,7 @@ class SpeculativeEngine:
         self.draft.row_sampling = (None if draft_default is None or isinstance(self._target_params, SamplingParams)
                                    else self._row_params(draft_default))
         plain = self._round_limit == 0 or not any(wants)
-        if self._round_limit == 0 or (self.adaptive is None and plain):
+        if plain and (self.adaptive is None or self._round_limit == 0):
             # speculation off for the whole batch: straight to the plain step (what the general round would reach
             # with every row's draft limit 0), without building limits to find that out -- it runs every round
             # speculation is off, where each tensor operation is overhead over target-only decoding

@@ -187,8 +187,8 @@ class SlotKVCache:
         else:
             logit_sel, out_width = None, width
         logit_rows = None if logit_sel is None else torch.tensor([p for _, _, p in logit_sel], dtype=torch.int64)
-        # every output row filled, in [B, out_width] order: the packed outputs are the result, no scatter
-        outputs_full = logit_sel is None and dense or logit_sel is not None and len(logit_sel) == batch * out_width
+        # a selection that fills every output row, in [B, out_width] order: the packed outputs are the result as is
+        outputs_full = logit_sel is not None and len(logit_sel) == batch * out_width
         layers = self.model.num_layers
         capture = ()
         if output_hidden_states:
@@ -218,21 +218,22 @@ class SlotKVCache:
                 full[where[:, 0].to(dev), where[:, 1].to(dev)] = rows_tensor
             return full
 
-        if outputs_full:
-            logits = out.logits.reshape(batch, out_width, vocab)
-        elif logit_sel is None:  # every column's logits, holes zero
-            logits = scatter(out.logits, [(r, col, 0) for r, col in zip(rows_l, cols_l)])
-        else:
-            logits = scatter(out.logits, logit_sel)
-        if not return_outputs:
-            return logits
-
         def unpack(rows_tensor: torch.Tensor) -> torch.Tensor:
+            """Rows ``[N, X]`` of every packed token into ``[B, width, X]`` (holes zero; a view when dense)."""
             if dense:
                 return rows_tensor.reshape(batch, width, rows_tensor.shape[-1])
             full = rows_tensor.new_zeros(batch, width, rows_tensor.shape[-1])
             full[rows_idx.to(dev), cols_idx.to(dev)] = rows_tensor
             return full
+
+        if logit_sel is None:  # every column's logits
+            logits = unpack(out.logits)
+        elif outputs_full:
+            logits = out.logits.reshape(batch, out_width, vocab)
+        else:
+            logits = scatter(out.logits, logit_sel)
+        if not return_outputs:
+            return logits
 
         hidden_states = None
         if output_hidden_states:
