@@ -21,7 +21,11 @@ per (dataset, batch) AV / max(target-only, best fixed L). With ``--same-text`` (
 followed by target-only decoding replaying that cell's own text (``forced`` requests, same order and refills):
 its "speedup, same text" compares the two on the same contexts, so the ratio is free of how long the sampled
 answers happened to be (at batch 1 that alone moves tokens/s by up to 20%); AV / reference is also given on
-those speedups. Cells where that ratio is within ``--close-margin`` of 1
+those speedups. With ``--lockstep`` (default) the cells of one (dataset, batch) -- and their same-text replays,
+each just behind the cell it replays -- run side by side, one round of each engine in turn, every engine timed on
+its own calls only: the host's drift (target-only tokens/s moved by 6% between cells minutes apart) hits every
+setting alike, where cells run one after another (``--no-lockstep``) it did not. Cells where that ratio is within
+``--close-margin`` of 1
 are re-run ``--repeats-close`` times in total (AV and the reference) and reported as median and spread. A looping
 workload (``--loop-prompt`` at T = 0.6) shows AV switching speculation on where drafts pay. Writes
 ``--out/sweep.json``, ``--out/table.md`` and ``--out/av_sweep.png`` (tokens/s vs batch size per setting).
@@ -37,6 +41,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -59,52 +64,132 @@ from specadapt.sampling import SamplingParams  # noqa: E402
 LOOP_PROMPT = ("Write the word 'apple' one hundred times, separated by commas, and nothing else.")
 
 
+class CellRun:
+    """One cell's running batch, a round at a time: ``batch`` requests kept running (a request that ends is replaced
+    by the next prompt of the list, cycled, with a fresh seed) until ``budget_tokens`` tokens were emitted.
+
+    ``source``: this (target-only) run replays another run's text -- its requests in the order ``source`` started
+    them, each forced to emit exactly the tokens ``source``'s request emitted (read live from that request's
+    output, so the replay can run in lock-step just behind its source: a source round emits at least one token per
+    row, a replay round exactly one), and ends where ``source`` ended. Only the engine's own calls (joins and
+    rounds) are timed, so runs can be interleaved (:func:`run_lockstep`)."""
+
+    def __init__(self, engine, prompts, batch, budget_tokens, max_new, seed, source=None):
+        self.engine, self.prompts, self.batch, self.max_new, self.seed = engine, prompts, batch, max_new, seed
+        self.budget_tokens, self.source = budget_tokens, source
+        self.started, self.counter = [], 0
+        self.emitted = self.row_rounds = self.rounds = self.finished = 0
+        self.seconds = 0.0
+        self.done = False
+
+    def _fresh(self, count):
+        out = []
+        for _ in range(count):
+            if self.source is not None:
+                if self.counter >= len(self.source.started):
+                    break
+                src = self.source.started[self.counter]
+                req = Request(src.prompt, src.max_new_tokens, src.seed, forced=src.result.output_ids)
+            else:
+                req = Request(self.prompts[self.counter % len(self.prompts)], self.max_new, self.seed + self.counter)
+            out.append(req)
+            self.started.append(req)
+            self.counter += 1
+        return out
+
+    def _join(self, count):
+        t0 = time.perf_counter()
+        self.engine.join(self._fresh(count))
+        self.seconds += time.perf_counter() - t0
+
+    def start(self):
+        self.engine.open_batch()
+        self._join(self.batch)
+
+    def _replay_blocked(self) -> bool:
+        """A replay row whose source has not emitted its next token yet (only once the source stopped: its
+        request was left unfinished there); such rows are dropped, as the source dropped them."""
+        rows = self.engine._rows
+        short = [row.request for row in rows if len(row.request.forced) <= len(row.request.result.output_ids)]
+        if short and self.source.done:
+            self.engine.cancel(short)
+        return bool(short) and not self.source.done
+
+    def turn(self):
+        """One round (and the refills it needs); sets :attr:`done` when the cell is complete."""
+        if self.done:
+            return
+        if self.source is not None:
+            if self._replay_blocked():
+                return
+            missing = self.batch - self.engine.num_active
+            if missing:
+                self._join(missing)
+            if self.engine.num_active == 0:
+                self.done = self.source.done
+                return
+        t0 = time.perf_counter()
+        events = self.engine.step()
+        self.seconds += time.perf_counter() - t0
+        self.rounds += 1
+        self.row_rounds += len(events)
+        self.emitted += sum(len(tokens) for _, tokens, _ in events)
+        done = sum(1 for _, _, d in events if d)
+        self.finished += done
+        if self.source is None:
+            if self.emitted >= self.budget_tokens:
+                self.done = True  # no request joins (and prefills) after the last timed round
+            elif done:
+                self._join(done)
+
+    def result(self):
+        self.engine.close_batch()
+        seconds = max(self.seconds, 1e-9)
+        return {"tokens": self.emitted, "seconds": self.seconds, "tokens_per_s": self.emitted / seconds,
+                "rounds": self.rounds, "ms_per_round": 1e3 * self.seconds / max(self.rounds, 1),
+                "acceptance_length": self.emitted / max(self.row_rounds, 1), "requests_finished": self.finished,
+                "texts": [list(r.result.output_ids) for r in self.started
+                          if r.result is not None and r.result.output_ids]}
+
+
+def run_lockstep(runs):
+    """Step ``runs`` one round each in turn (in list order: a replay must come after its source) until all are
+    done: the host's drift over the minutes a cell lasts hits every run alike. Returns their results."""
+    for run in runs:
+        run.start()
+    while not all(run.done for run in runs):
+        for run in runs:
+            run.turn()
+    return [run.result() for run in runs]
+
+
 def run_cell(engine, prompts, batch, budget_tokens, max_new, seed, forced=None):
     """Keep ``batch`` requests running (refill at EOS) until ``budget_tokens`` tokens were emitted.
 
     ``forced``: a target-only engine replays these outputs (one token list per request, in the order the other
     cell started them; its budget is their total): the same text, so the same contexts, as the cell that wrote
     them. The returned cell's ``texts`` holds every started request's output (for such a replay)."""
-    counter = 0
-    started = []
-
-    def fresh(count):
-        nonlocal counter
-        out = []
-        for _ in range(count):
-            if forced is not None:
-                if counter >= len(forced):
-                    break
-                req = Request(prompts[counter % len(prompts)], len(forced[counter]), seed + counter,
-                              forced=forced[counter])
-            else:
-                req = Request(prompts[counter % len(prompts)], max_new, seed + counter)
-            out.append(req)
-            started.append(req)
-            counter += 1
-        return out
-
     if forced is not None:
-        budget_tokens = sum(len(f) for f in forced)
-    engine.open_batch()
-    start = time.perf_counter()
-    engine.join(fresh(batch))
-    emitted = row_rounds = rounds = finished = 0
-    while emitted < budget_tokens:
-        events = engine.step()
-        rounds += 1
-        row_rounds += len(events)
-        emitted += sum(len(tokens) for _, tokens, _ in events)
-        done = sum(1 for _, _, d in events if d)
-        finished += done
-        if done and emitted < budget_tokens:  # no request joins (and prefills) after the last timed round
-            engine.join(fresh(done))
-    seconds = time.perf_counter() - start
-    engine.close_batch()
-    return {"tokens": emitted, "seconds": seconds, "tokens_per_s": emitted / seconds, "rounds": rounds,
-            "ms_per_round": 1e3 * seconds / max(rounds, 1),
-            "acceptance_length": emitted / max(row_rounds, 1), "requests_finished": finished,
-            "texts": [list(r.result.output_ids) for r in started if r.result is not None and r.result.output_ids]}
+        source = _FinishedSource(prompts, max_new, seed, forced)
+        run = CellRun(engine, prompts, batch, 0, max_new, seed, source=source)
+    else:
+        run = CellRun(engine, prompts, batch, budget_tokens, max_new, seed)
+    run.start()
+    while not run.done:
+        run.turn()
+    return run.result()
+
+
+class _FinishedSource:
+    """A finished run's texts, as a :class:`CellRun` replay source (sequential replays)."""
+
+    def __init__(self, prompts, max_new, seed, texts):
+        self.done = True
+        self.started = []
+        for i, text in enumerate(texts):
+            req = Request(prompts[i % len(prompts)], len(text), seed + i)
+            req.result = SimpleNamespace(output_ids=text)
+            self.started.append(req)
 
 
 def av_over_reference(cells):
@@ -143,6 +228,47 @@ def measure(target, draft, sampling, name, L, costs, prompts, batch, args):
     return cell
 
 
+def measure_lockstep(target, sampling, chosen, costs, prompts, batch, args):
+    """The cells of ``chosen`` settings (``(name, L, adaptive)``) run in lock-step (:func:`run_lockstep`): one
+    round of each engine in turn, each with its own draft, and with ``--same-text`` each speculative engine
+    followed by a target-only engine replaying its text as it is written. Returns the cells, in ``chosen``
+    order, with the fields :func:`measure` gives."""
+    from specadapt.engine import build_draft
+
+    dtype = next(target.model.parameters()).dtype
+    runs, plan = [], []
+    budget = max(args.cell_tokens * batch, args.min_cell_tokens)
+    for name, L, adaptive in chosen:
+        draft = build_draft(args.draft, target, sampling, args.seed, dtype=dtype) if L > 0 else None
+        engine, av = make_engine(target, draft, sampling, L, costs if adaptive else None, args.refit_interval,
+                                 args.seed)
+        run = CellRun(engine, prompts, batch, budget, args.max_new_tokens, args.seed)
+        runs.append(run)
+        replay = None
+        if L > 0 and args.same_text:
+            plain = make_engine(target, None, sampling, 0, None, args.refit_interval, args.seed)[0]
+            replay = CellRun(plain, prompts, batch, 0, args.max_new_tokens, args.seed, source=run)
+            runs.append(replay)
+        plan.append((name, L, av, run, replay))
+    results = dict(zip(map(id, runs), run_lockstep(runs)))
+    cells = []
+    for name, L, av, run, replay in plan:
+        cell = results[id(run)]
+        cell.pop("texts")
+        cell.update(setting=name, batch_size=batch, lockstep=True)
+        if av is not None:
+            cell.update(rounds_off_share=av.rounds_off / max(av.rounds, 1), probe_rounds=av.probe_rounds,
+                        verified=av.verified, pruned=av.pruned, cost_model=av.cost_model_error())
+        if replay is not None:
+            again = results[id(replay)]
+            cell.update(same_text_target_tokens_per_s=again["tokens_per_s"],
+                        speedup_same_text=cell["tokens_per_s"] / again["tokens_per_s"])
+        elif L == 0:
+            cell["speedup_same_text"] = 1.0
+        cells.append(cell)
+    return cells
+
+
 def av_over_reference_same_text(cells):
     """(reference setting, AV / reference) where each cell's speed is its speedup over target-only on its own
     text: the reference is the best of target-only (1.0) and the fixed L cells."""
@@ -174,6 +300,10 @@ def main() -> int:
     ap.add_argument("--same-text", action=argparse.BooleanOptionalAction, default=True,
                     help="after every speculative cell, time target-only decoding replaying that cell's text "
                          "(speedup on the same text: both read the same contexts)")
+    ap.add_argument("--lockstep", action=argparse.BooleanOptionalAction, default=True,
+                    help="run a (dataset, batch)'s cells side by side, one round of each engine in turn (each "
+                         "engine timed on its own calls), so the host's drift during the minutes a cell lasts hits "
+                         "every setting alike; --no-lockstep runs the cells one after another")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--forward", default="auto")
     ap.add_argument("--seed", type=int, default=0)
@@ -221,7 +351,13 @@ def main() -> int:
             warm = make_engine(target, draft, sampling, 2, None, args.refit_interval, args.seed)[0]
             run_cell(warm, prompts, batch, 8 * batch, 16, args.seed + 10_000)  # warm-up, not timed
             cells = []
-            for name, L, adaptive in settings:
+            if args.lockstep:
+                cells = measure_lockstep(target, sampling, settings, costs_by_batch[batch], prompts, batch, args)
+                for cell in cells:
+                    cell["dataset"] = dataset
+                bar.update(len(cells))
+                bar.set_postfix(dataset=dataset, batch=batch, av_tps=f"{cells[-1]['tokens_per_s']:.1f}")
+            for name, L, adaptive in settings if not args.lockstep else []:
                 cell = measure(target, draft, sampling, name, L, costs_by_batch[batch] if adaptive else None,
                                prompts, batch, args)
                 cell["dataset"] = dataset
@@ -247,13 +383,20 @@ def main() -> int:
                 ref_spec = next(s for s in settings if s[0] == reference["setting"])
                 same_spec = next(s for s in settings if s[0] == entry.get("reference_same_text", "target-only"))
                 for _ in range(args.repeats_close - 1):
-                    ref = measure(target, draft, sampling, ref_spec[0], ref_spec[1], None, prompts, batch, args)
-                    again = measure(target, draft, sampling, av_cell["setting"], args.adaptive_l,
-                                    costs_by_batch[batch], prompts, batch, args)
+                    if args.lockstep:  # AV and its references again, in lock-step
+                        chosen = [ref_spec] + ([same_spec] if same_spec != ref_spec else []) + [settings[-1]]
+                        rerun = measure_lockstep(target, sampling, chosen, costs_by_batch[batch], prompts, batch, args)
+                        ref, again = rerun[0], rerun[-1]
+                        same_ref = rerun[1] if same_spec != ref_spec else ref
+                    else:
+                        ref = measure(target, draft, sampling, ref_spec[0], ref_spec[1], None, prompts, batch, args)
+                        again = measure(target, draft, sampling, av_cell["setting"], args.adaptive_l,
+                                        costs_by_batch[batch], prompts, batch, args)
+                        if args.same_text:
+                            same_ref = ref if same_spec == ref_spec else measure(
+                                target, draft, sampling, same_spec[0], same_spec[1], None, prompts, batch, args)
                     ratios.append(again["tokens_per_s"] / ref["tokens_per_s"])
                     if args.same_text:
-                        same_ref = ref if same_spec == ref_spec else measure(
-                            target, draft, sampling, same_spec[0], same_spec[1], None, prompts, batch, args)
                         same_ratios.append(again["speedup_same_text"] / same_ref["speedup_same_text"])
                 entry.update(repeats=len(ratios), av_over_reference_runs=ratios,
                              av_over_reference_median=statistics.median(ratios),
@@ -273,11 +416,16 @@ def main() -> int:
         loop_draft = build_draft(args.draft, target, loop_sampling, args.seed)
         prompt = [_tokenize(target.tokenizer, args.loop_prompt)]
         for batch in args.loop_batch_sizes:
-            for name, L, adaptive in [settings[0], (f"L={args.adaptive_l}", args.adaptive_l, False), settings[-1]]:
-                if adaptive and batch not in costs_by_batch:
-                    continue
-                cell = measure(target, loop_draft, loop_sampling, name, L, costs_by_batch.get(batch) if adaptive else None,
-                               prompt, batch, args)
+            chosen = [settings[0], (f"L={args.adaptive_l}", args.adaptive_l, False)]
+            if batch in costs_by_batch:
+                chosen.append(settings[-1])
+            if args.lockstep:
+                cells = measure_lockstep(target, loop_sampling, chosen, costs_by_batch.get(batch), prompt, batch, args)
+            else:
+                cells = [measure(target, loop_draft, loop_sampling, name, L,
+                                 costs_by_batch.get(batch) if adaptive else None, prompt, batch, args)
+                         for name, L, adaptive in chosen]
+            for cell in cells:
                 cell["dataset"] = "loop"
                 loop_rows.append(cell)
     floor = (f"; weights {machine['weight_mb']:.0f} MB, one target step's weight floor "

@@ -58,23 +58,45 @@ def main() -> int:
     plain = SpeculativeEngine(built.target, NoDraft(), built.sampling, 0, seed=flags.seed)
     prompts = [_tokenize(built.target.tokenizer, p.text) for p in load_prompts(args.dataset, limit=args.limit)]
     ms = {"target-only": [], args.mode: []}
+    # whole-run accounting (every round, probes and speculative rounds included, and the joins' prefills):
+    # ms and emitted tokens per engine, and the measured engine's ms / rounds / tokens by round kind
+    total_ms = {"target-only": 0.0, args.mode: 0.0}
+    total_tokens = {"target-only": 0, args.mode: 0}
+    kinds = {kind: [0.0, 0, 0] for kind in ("off", "probe", "on", "join")}
+    plain_join_ms = 0.0
     for prompt in prompts:
         texts = {"target-only": [], args.mode: []}
-        for engine in (plain, other):
+        for name, engine in (("target-only", plain), (args.mode, other)):
             engine.open_batch()
+            start = time.perf_counter()
             engine.join([Request(prompt, args.max_new_tokens, flags.seed)])
+            total_ms[name] += (time.perf_counter() - start) * 1e3
+            if engine is plain:
+                plain_join_ms += (time.perf_counter() - start) * 1e3
+            else:
+                kinds["join"][0] += (time.perf_counter() - start) * 1e3
+                kinds["join"][1] += 1
         turn = 0
         while plain.num_active and other.num_active:
             order = [("target-only", plain), (args.mode, other)]
             times, off_round = {}, True
             for name, engine in order if turn % 2 == 0 else order[::-1]:
                 off_before = adaptive.rounds_off if adaptive is not None else 0
+                probes_before = adaptive.probe_rounds if adaptive is not None else 0
                 start = time.perf_counter()
                 events = engine.step()
                 times[name] = (time.perf_counter() - start) * 1e3
                 texts[name].extend(events[0][1])
-                if adaptive is not None and engine is other:
-                    off_round = adaptive.rounds_off > off_before  # a probe or speculative round: not compared
+                total_ms[name] += times[name]
+                total_tokens[name] += len(events[0][1])
+                if engine is other:
+                    kind = "off"
+                    if adaptive is not None:
+                        off_round = adaptive.rounds_off > off_before  # a probe or speculative round: not compared
+                        kind = "off" if off_round else ("probe" if adaptive.probe_rounds > probes_before else "on")
+                    kinds[kind][0] += times[name]
+                    kinds[kind][1] += 1
+                    kinds[kind][2] += len(events[0][1])
             turn += 1
             if off_round:
                 for name, value in times.items():
@@ -98,6 +120,17 @@ def main() -> int:
           + f", {args.mode} {statistics.median(ms[args.mode]):.3f}; paired difference: median "
           f"{statistics.median(diffs) * 1e3:.0f} us ({100 * statistics.median(diffs) / base:.1f}% of a target-only "
           f"round), mean {statistics.fmean(diffs) * 1e3:.0f} us")
+    per_token = {name: total_ms[name] / max(total_tokens[name], 1) for name in total_ms}
+    print(f"whole run (every round and join): target-only {total_tokens['target-only']} tokens in "
+          f"{total_ms['target-only']:.0f} ms, {args.mode} {total_tokens[args.mode]} tokens in {total_ms[args.mode]:.0f} ms; "
+          f"{args.mode} / target-only tokens/s {per_token['target-only'] / per_token[args.mode]:.3f}")
+    round_ms_per_token = (total_ms["target-only"] - plain_join_ms) / max(total_tokens["target-only"], 1)
+    for kind, (kind_ms, rounds, tokens) in kinds.items():
+        if rounds:
+            extra = kind_ms - (tokens * round_ms_per_token if kind != "join" else plain_join_ms)
+            print(f"  {args.mode} {kind}: {rounds} {'joins' if kind == 'join' else 'rounds'}, {tokens} tokens, "
+                  f"{kind_ms:.0f} ms ({kind_ms / max(rounds, 1):.2f} ms each); over target-only's ms for the same "
+                  f"tokens {extra:+.0f} ms ({100 * extra / total_ms[args.mode]:+.1f}% of the run)")
     return 0
 
 

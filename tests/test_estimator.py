@@ -188,3 +188,36 @@ def test_saturated_predictions_do_not_blow_up():
     rate = float(est.predict(torch.full((1, 1), 40.0))[0, 0])
     assert abs(rate - 0.3) < 0.1
     assert abs(est.intercepts[0]) < 100
+
+
+def test_refit_of_an_empty_window_keeps_the_fit_without_solving(monkeypatch):
+    """Rounds that verified nothing (speculation off) still step the refit schedule; a window holding no
+    statistics leaves the fit as the solve would (its Newton step is 0) without calling it, and a window with data
+    after it is solved as before."""
+    import specadapt.estimator.estimator as module
+
+    solves = []
+
+    def counting_solve(*args):
+        solves.append(args[0].clone())
+        return irls_solve(*args)
+
+    monkeypatch.setattr(module, "irls_solve", counting_solve)
+    est = AcceptanceEstimator(3, init_slope=0.9, init_intercept=0.3, refit_interval=4)
+    slope, intercepts = est.slope, est.intercepts.clone()
+    solved = irls_solve(torch.zeros(3, 6, dtype=torch.float64), slope, intercepts)
+    assert solved[0] == slope and torch.equal(solved[1], intercepts)  # what skipping it relies on
+    for _ in range(8):
+        est.observe_nothing()
+    assert est.refits == 2 and solves == []
+    assert est.slope == slope and torch.equal(est.intercepts, intercepts)
+    gen = torch.Generator().manual_seed(3)
+    f = torch.randn(16, 3, generator=gen, dtype=torch.float64)
+    est.observe(f, est.predict(f), torch.randint(0, 4, (16,), generator=gen), torch.full((16,), 3))
+    for _ in range(3):
+        est.observe_nothing()
+    assert est.refits == 3 and len(solves) == 1 and float(solves[0][:, 5].sum()) > 0
+    assert (est.slope, est.intercepts.tolist()) != (slope, intercepts.tolist())
+    for _ in range(4):  # the window after it is empty again
+        est.observe_nothing()
+    assert est.refits == 4 and len(solves) == 1

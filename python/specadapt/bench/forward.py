@@ -71,14 +71,25 @@ def measure_machine(device: str = "cpu") -> dict:
     copy = 2 * x.numel() * 4 / timed(lambda: y.copy_(x)) / 1e9
     read = x.numel() * 4 / timed(lambda: x.sum()) / 1e9
     del x, y
-    n = 2048
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    fp32 = 2 * n**3 / timed(lambda: a @ b) / 1e9
-    ab, bb = a.bfloat16(), b.bfloat16()
-    bf16 = 2 * n**3 / timed(lambda: ab @ bb) / 1e9
+    fp32 = _gemm_gflops(torch.float32, device, timed)
+    bf16 = _gemm_gflops(torch.bfloat16, device, timed)
     name = torch.cuda.get_device_name(device) if device.startswith("cuda") else cpu_name()
     return {"device": device, "name": name, "threads": torch.get_num_threads(), "copy_gbps": copy,
             "read_gbps": read, "gemm_fp32_gflops": fp32, "gemm_bf16_gflops": bf16, "torch": torch.__version__}
+
+
+def _gemm_gflops(dtype: torch.dtype, device: str, timed, largest: int = 2048, budget_s: float = 0.25) -> float:
+    """GFLOP/s of an ``n x n`` GEMM in ``dtype``: ``n = largest`` (2048), or less where one product would take
+    longer than ``budget_s``, judged from one 256 x 256 product first (n a multiple of 64, at least 256). Without
+    the bound a CPU with no bfloat16 arithmetic (AVX2-only EPYC: 0.3 GFLOP/s) spent 8 minutes on 8 bfloat16
+    products of 2048 x 2048 before every benchmark."""
+    probe = torch.randn(256, 256, device=device).to(dtype)
+    rate = 2 * 256**3 / timed(lambda: probe @ probe)  # FLOP/s
+    n = largest
+    if 2 * n**3 / rate > budget_s:
+        n = max(256, min(largest, int((budget_s * rate / 2) ** (1 / 3)) // 64 * 64))
+    a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
+    return 2 * n**3 / timed(lambda: a @ b) / 1e9
 
 
 @dataclass

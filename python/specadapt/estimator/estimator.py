@@ -46,6 +46,7 @@ class AcceptanceEstimator:
         self.stats = torch.zeros(num_positions, 6, dtype=torch.float64)
         self.steps = 0
         self.refits = 0
+        self._window_empty = True  # no statistics accumulated since the last refit (its solve is the identity)
 
     @classmethod
     def from_config(cls, num_positions: int, config: EstimatorConfig, accumulate=None) -> "AcceptanceEstimator":
@@ -73,6 +74,7 @@ class AcceptanceEstimator:
         k = features.shape[-1]
         if k > 0:
             self.stats[:k] += self._accumulate(features, predictions, accepted, verified).to(self.stats)
+            self._window_empty = False
         self.observe_nothing()
 
     def observe_nothing(self) -> None:
@@ -83,9 +85,17 @@ class AcceptanceEstimator:
             self.refit()
 
     def refit(self) -> None:
-        """One damped Newton step on the current window's statistics, then start a new window."""
-        self.slope, self.intercepts = irls_solve(
-            self.stats, self.slope, self.intercepts, self.ridge, self.damping, self.max_step
-        )
-        self.stats.zero_()
+        """One damped Newton step on the current window's statistics, then start a new window.
+
+        A window that accumulated nothing (every step since the last refit verified no draft, e.g. adaptive
+        verification with speculation off) leaves the fit as it is without solving: with all-zero statistics the
+        Newton step is 0 (``d_slope`` and every ``d_beta`` carry a factor ``n / (n + D) = 0``), so the solve's
+        dozen small tensor operations would only cost time, every ``refit_interval`` rounds off. It still counts
+        as a refit (:attr:`refits`), so the schedule is the same either way."""
+        if not self._window_empty:
+            self.slope, self.intercepts = irls_solve(
+                self.stats, self.slope, self.intercepts, self.ridge, self.damping, self.max_step
+            )
+            self.stats.zero_()
+            self._window_empty = True
         self.refits += 1
