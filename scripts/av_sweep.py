@@ -77,7 +77,7 @@ class CellRun:
     def __init__(self, engine, prompts, batch, budget_tokens, max_new, seed, source=None):
         self.engine, self.prompts, self.batch, self.max_new, self.seed = engine, prompts, batch, max_new, seed
         self.budget_tokens, self.source = budget_tokens, source
-        self.started, self.counter = [], 0
+        self.started, self.running, self.counter = [], [], 0
         self.emitted = self.row_rounds = self.rounds = self.finished = 0
         self.seconds = 0.0
         self.done = False
@@ -98,9 +98,13 @@ class CellRun:
         return out
 
     def _join(self, count):
+        new = self._fresh(count)
+        if not new:
+            return
         t0 = time.perf_counter()
-        self.engine.join(self._fresh(count))
+        self.engine.join(new)
         self.seconds += time.perf_counter() - t0
+        self.running.extend(new)
 
     def start(self):
         self.engine.open_batch()
@@ -109,10 +113,10 @@ class CellRun:
     def _replay_blocked(self) -> bool:
         """A replay row whose source has not emitted its next token yet (only once the source stopped: its
         request was left unfinished there); such rows are dropped, as the source dropped them."""
-        rows = self.engine._rows
-        short = [row.request for row in rows if len(row.request.forced) <= len(row.request.result.output_ids)]
+        short = [r for r in self.running if len(r.forced) <= len(r.result.output_ids)]
         if short and self.source.done:
             self.engine.cancel(short)
+            self.running = [r for r in self.running if all(r is not x for x in short)]
         return bool(short) and not self.source.done
 
     def turn(self):
@@ -122,10 +126,10 @@ class CellRun:
         if self.source is not None:
             if self._replay_blocked():
                 return
-            missing = self.batch - self.engine.num_active
+            missing = self.batch - len(self.running)
             if missing:
                 self._join(missing)
-            if self.engine.num_active == 0:
+            if not self.running:
                 self.done = self.source.done
                 return
         t0 = time.perf_counter()
@@ -136,6 +140,9 @@ class CellRun:
         self.emitted += sum(len(tokens) for _, tokens, _ in events)
         done = sum(1 for _, _, d in events if d)
         self.finished += done
+        if done:
+            ended = [req for req, _, d in events if d]
+            self.running = [r for r in self.running if all(r is not x for x in ended)]
         if self.source is None:
             if self.emitted >= self.budget_tokens:
                 self.done = True  # no request joins (and prefills) after the last timed round

@@ -9,7 +9,10 @@ every round a plain target step that queues the head's features) or with adaptiv
 is left out). Prints the CPU, the machine's copy rate and the target's weight floor measured in the same run,
 the two engines' median round, and the median and mean of the paired per-round difference. In ``off`` mode both
 engines draw the same coins, so their text must be equal (checked); in ``av`` mode a probe's accepted draft can
-change the text that follows.
+change the text that follows. Then the whole run, every round and each prompt's join (prefill) included: the two
+engines' tokens/s ratio, and the measured engine's time by round kind (rounds off, probes, speculative rounds,
+joins) against what target-only spent per token on the same number of tokens -- where an AV run's time over
+target-only goes.
 
     python scripts/bench_plain_round.py --mode av --limit 3 --max-new-tokens 700
 

@@ -148,3 +148,69 @@ def test_av_sweep_replays_a_cells_text_and_joins_nothing_after_its_last_round():
              {"setting": "AV", "speedup_same_text": 0.97}]
     reference, ratio = sweep.av_over_reference_same_text(cells)
     assert reference["setting"] == "target-only" and ratio == pytest.approx(0.97)
+
+
+class _LiveFakeEngine:
+    """A sampling row emits ``[seed, step]`` per step and ``[seed, -1]`` (-1: EOS) at its third; a forced row
+    (a replay) emits one token per step, its next forced one, and ends at EOS or ``max_new_tokens``; a forced
+    token that was not written yet raises (a replay must never run ahead of its source)."""
+
+    def __init__(self):
+        self.rows, self.joined, self.cancelled, self.opened = [], [], [], 0
+
+    def open_batch(self):
+        self.opened += 1
+
+    def join(self, requests):
+        self.joined.extend(requests)
+        for r in requests:
+            r.result = SimpleNamespace(output_ids=[])
+        self.rows.extend([r, 0] for r in requests)
+
+    def cancel(self, requests):
+        self.cancelled.extend(requests)
+        self.rows = [row for row in self.rows if all(row[0] is not r for r in requests)]
+
+    def step(self):
+        events, keep = [], []
+        for row in self.rows:
+            req = row[0]
+            row[1] += 1
+            out = req.result.output_ids
+            if req.forced is not None:
+                if len(req.forced) <= len(out):
+                    raise AssertionError("the replay ran ahead of its source")
+                tokens = [req.forced[len(out)]]
+                finished = tokens[0] == -1 or len(out) + 1 >= req.max_new_tokens
+            else:
+                finished = row[1] == 3
+                tokens = [req.seed, -1 if finished else row[1]]
+            out.extend(tokens)
+            events.append((req, tokens, finished))
+            if not finished:
+                keep.append(row)
+        self.rows = keep
+        return events
+
+    def close_batch(self):
+        self.opened -= 1
+
+
+def test_av_sweep_lockstep_replay_follows_its_source_live():
+    """--lockstep: a replay steps just behind the run it replays, reading that run's text as it is written (one
+    token a round against the source's two), joins the source's requests in order, and drops the rows the
+    source left unfinished once it has replayed their tokens: the same text, token for token."""
+    sweep = _load("av_sweep")
+    engine, replayer, other = _LiveFakeEngine(), _LiveFakeEngine(), _LiveFakeEngine()
+    source = sweep.CellRun(engine, [[5], [6, 7]], 2, 20, 9, 100)
+    replay = sweep.CellRun(replayer, [[5], [6, 7]], 2, 0, 9, 100, source=source)
+    plain = sweep.CellRun(other, [[5], [6, 7]], 2, 20, 9, 100)
+    cells = sweep.run_lockstep([plain, source, replay])
+    assert [c["tokens"] for c in cells] == [20, 20, 20]
+    assert cells[2]["texts"] == cells[1]["texts"]
+    # 6 tokens a request, 2 rows: the 20-token budget is reached inside the 4th pair of requests
+    assert [r.seed for r in replayer.joined] == [r.seed for r in engine.joined] == [100, 101, 102, 103]
+    assert [r.prompt for r in replayer.joined] == [[5], [6, 7], [5], [6, 7]]
+    assert len(replayer.cancelled) == 2 and cells[2]["requests_finished"] == 2
+    assert cells[1]["rounds"] == 5 and cells[2]["rounds"] == 10 and cells[2]["acceptance_length"] == 1.0
+    assert engine.opened == replayer.opened == other.opened == 0
