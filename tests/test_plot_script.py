@@ -150,22 +150,14 @@ def test_av_sweep_replays_a_cells_text_and_joins_nothing_after_its_last_round():
     assert reference["setting"] == "target-only" and ratio == pytest.approx(0.97)
 
 
-class _LiveFakeEngine:
+class _LiveFakeEngine(_FakeEngine):
     """A sampling row emits ``[seed, step]`` per step and ``[seed, -1]`` (-1: EOS) at its third; a forced row
     (a replay) emits one token per step, its next forced one, and ends at EOS or ``max_new_tokens``; a forced
     token that was not written yet raises (a replay must never run ahead of its source)."""
 
     def __init__(self):
-        self.rows, self.joined, self.cancelled, self.opened = [], [], [], 0
-
-    def open_batch(self):
-        self.opened += 1
-
-    def join(self, requests):
-        self.joined.extend(requests)
-        for r in requests:
-            r.result = SimpleNamespace(output_ids=[])
-        self.rows.extend([r, 0] for r in requests)
+        super().__init__()
+        self.cancelled = []
 
     def cancel(self, requests):
         self.cancelled.extend(requests)
@@ -191,9 +183,6 @@ class _LiveFakeEngine:
                 keep.append(row)
         self.rows = keep
         return events
-
-    def close_batch(self):
-        self.opened -= 1
 
 
 def test_av_sweep_lockstep_replay_follows_its_source_live():
