@@ -235,6 +235,9 @@ def measure(target, draft, sampling, name, L, costs, prompts, batch, args):
     return cell
 
 
+_LOCKSTEP_DRAFTS: dict = {}  # (setting name, SamplingParams) -> its draft: engines side by side need their own
+
+
 def measure_lockstep(target, sampling, chosen, costs, prompts, batch, args):
     """The cells of ``chosen`` settings (``(name, L, adaptive)``) run in lock-step (:func:`run_lockstep`): one
     round of each engine in turn, each with its own draft, and with ``--same-text`` each speculative engine
@@ -246,7 +249,12 @@ def measure_lockstep(target, sampling, chosen, costs, prompts, batch, args):
     runs, plan = [], []
     budget = max(args.cell_tokens * batch, args.min_cell_tokens)
     for name, L, adaptive in chosen:
-        draft = build_draft(args.draft, target, sampling, args.seed, dtype=dtype) if L > 0 else None
+        draft = None
+        if L > 0:  # one draft object per (setting, sampling), loaded once and restarted by each new engine
+            key = (name, sampling)
+            if key not in _LOCKSTEP_DRAFTS:
+                _LOCKSTEP_DRAFTS[key] = build_draft(args.draft, target, sampling, args.seed, dtype=dtype)
+            draft = _LOCKSTEP_DRAFTS[key]
         engine, av = make_engine(target, draft, sampling, L, costs if adaptive else None, args.refit_interval,
                                  args.seed)
         run = CellRun(engine, prompts, batch, budget, args.max_new_tokens, args.seed)
@@ -420,7 +428,7 @@ def main() -> int:
         loop_sampling = SamplingParams(args.loop_temperature, args.top_p)
         from specadapt.engine import build_draft
 
-        loop_draft = build_draft(args.draft, target, loop_sampling, args.seed)
+        loop_draft = None if args.lockstep else build_draft(args.draft, target, loop_sampling, args.seed)
         prompt = [_tokenize(target.tokenizer, args.loop_prompt)]
         for batch in args.loop_batch_sizes:
             chosen = [settings[0], (f"L={args.adaptive_l}", args.adaptive_l, False)]

@@ -5,7 +5,7 @@ import torch
 from specadapt.bench import forward as bf
 
 
-def test_gemm_size_shrinks_where_one_product_would_be_slow():
+def test_gemm_size_shrinks_where_one_product_would_be_slow(monkeypatch):
     """A dtype the CPU computes slowly (bfloat16 without native support: 0.3 GFLOP/s on an AVX2 EPYC) is timed on
     a smaller product instead of 8 x 2048^3 (8 minutes there): the size follows from a 256^3 probe's rate and
     the time budget, and the rate is still FLOPs / seconds of the product actually timed."""
@@ -24,15 +24,13 @@ def test_gemm_size_shrinks_where_one_product_would_be_slow():
         sizes.append(a.shape[0])
         return real_matmul(a, b)
 
-    torch.Tensor.__matmul__ = spying_matmul
-    try:
-        slow = bf._gemm_gflops(torch.float32, "cpu", fake_timed(1 / 0.3e9), budget_s=0.25)
-        slow_sizes = list(sizes)
-        sizes.clear()
-        fast = bf._gemm_gflops(torch.float32, "cpu", fake_timed(1 / 200e9), budget_s=0.25)
-        fast_sizes = list(sizes)
-    finally:
-        torch.Tensor.__matmul__ = real_matmul
+    monkeypatch.setattr(torch.Tensor, "__matmul__", spying_matmul)
+    slow = bf._gemm_gflops(torch.float32, "cpu", fake_timed(1 / 0.3e9), budget_s=0.25)
+    slow_sizes = list(sizes)
+    sizes.clear()
+    fast = bf._gemm_gflops(torch.float32, "cpu", fake_timed(1 / 200e9), budget_s=0.25)
+    fast_sizes = list(sizes)
+    monkeypatch.undo()
     # 0.25 s at 0.3 GFLOP/s: n^3 <= 3.75e7 -> n = 320 (a multiple of 64); 2048^3 at 200 GFLOP/s takes 0.09 s
     assert slow_sizes == [256, 320] and abs(slow - 0.3) < 1e-9
     assert fast_sizes == [256, 2048] and abs(fast - 200) < 1e-6
