@@ -81,6 +81,9 @@ class CellRun:
         self.emitted = self.row_rounds = self.rounds = self.finished = 0
         self.seconds = 0.0
         self.done = False
+        # adaptive verification's time by round kind: kind -> [ms, rounds, tokens] (joins: [ms, joins, 0])
+        self.adaptive = getattr(engine, "adaptive", None)
+        self.kinds = {kind: [0.0, 0, 0] for kind in ("off", "probe", "on", "join")}
 
     def _fresh(self, count):
         out = []
@@ -103,8 +106,16 @@ class CellRun:
             return
         t0 = time.perf_counter()
         self.engine.join(new)
-        self.seconds += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.seconds += elapsed
+        self._count("join", elapsed, 0)
         self.running.extend(new)
+
+    def _count(self, kind, seconds, tokens):
+        entry = self.kinds[kind]
+        entry[0] += 1e3 * seconds
+        entry[1] += 1
+        entry[2] += tokens
 
     def start(self):
         self.engine.open_batch()
@@ -132,12 +143,19 @@ class CellRun:
             if not self.running:
                 self.done = self.source.done
                 return
+        av = self.adaptive
+        off_before, probes_before = (av.rounds_off, av.probe_rounds) if av is not None else (0, 0)
         t0 = time.perf_counter()
         events = self.engine.step()
-        self.seconds += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.seconds += elapsed
         self.rounds += 1
         self.row_rounds += len(events)
-        self.emitted += sum(len(tokens) for _, tokens, _ in events)
+        tokens = sum(len(tokens) for _, tokens, _ in events)
+        self.emitted += tokens
+        if av is not None:
+            kind = ("off" if av.rounds_off > off_before else "probe" if av.probe_rounds > probes_before else "on")
+            self._count(kind, elapsed, tokens)
         done = sum(1 for _, _, d in events if d)
         self.finished += done
         if done:
@@ -152,11 +170,15 @@ class CellRun:
     def result(self):
         self.engine.close_batch()
         seconds = max(self.seconds, 1e-9)
-        return {"tokens": self.emitted, "seconds": self.seconds, "tokens_per_s": self.emitted / seconds,
-                "rounds": self.rounds, "ms_per_round": 1e3 * self.seconds / max(self.rounds, 1),
-                "acceptance_length": self.emitted / max(self.row_rounds, 1), "requests_finished": self.finished,
-                "texts": [list(r.result.output_ids) for r in self.started
-                          if r.result is not None and r.result.output_ids]}
+        out = {"tokens": self.emitted, "seconds": self.seconds, "tokens_per_s": self.emitted / seconds,
+               "rounds": self.rounds, "ms_per_round": 1e3 * self.seconds / max(self.rounds, 1),
+               "acceptance_length": self.emitted / max(self.row_rounds, 1), "requests_finished": self.finished,
+               "texts": [list(r.result.output_ids) for r in self.started
+                         if r.result is not None and r.result.output_ids]}
+        out["join_ms"] = self.kinds["join"][0]
+        if self.adaptive is not None:
+            out["time_by_kind"] = {kind: {"ms": ms, "rounds": n, "tokens": t} for kind, (ms, n, t) in self.kinds.items()}
+        return out
 
 
 def run_lockstep(runs):
@@ -168,6 +190,32 @@ def run_lockstep(runs):
         for run in runs:
             run.turn()
     return [run.result() for run in runs]
+
+
+def extra_over_same_text(cell, replay):
+    """Where an adaptive-verification cell's time over target-only on its own text goes: per round kind (off,
+    probe, on) its ms minus what the same-text replay spent per token on as many tokens, and its joins' ms minus
+    the replay's; each also as a share of the cell's time. ``cell["time_by_kind"]`` and the replay's ``seconds``,
+    ``tokens``, ``join_ms`` (:meth:`CellRun.result`)."""
+    per_token = (1e3 * replay["seconds"] - replay["join_ms"]) / max(replay["tokens"], 1)
+    total = 1e3 * cell["seconds"]
+    out = {}
+    for kind, entry in cell["time_by_kind"].items():
+        if kind == "join":
+            extra = entry["ms"] - replay["join_ms"]
+        else:
+            extra = entry["ms"] - entry["tokens"] * per_token
+        out[kind] = {"rounds": entry["rounds"], "extra_ms": extra, "share": extra / max(total, 1e-9),
+                     "ms_each": entry["ms"] / max(entry["rounds"], 1)}
+    out["replay_ms_per_token"] = per_token
+    return out
+
+
+def _print_extra(cell):
+    parts = [f"{kind} {e['rounds']}x {e['ms_each']:.1f} ms, {100 * e['share']:+.2f}%"
+             for kind, e in cell["extra_over_same_text"].items() if isinstance(e, dict) and e["rounds"]]
+    print(f"  {cell.get('dataset', '')} batch {cell['batch_size']} {cell['setting']}: speedup on its text "
+          f"{cell['speedup_same_text']:.3f}; over the replay by round kind: " + "; ".join(parts), flush=True)
 
 
 def run_cell(engine, prompts, batch, budget_tokens, max_new, seed, forced=None):
@@ -230,6 +278,8 @@ def measure(target, draft, sampling, name, L, costs, prompts, batch, args):
                           prompts, batch, 0, args.max_new_tokens, args.seed, forced=texts)
         cell.update(same_text_target_tokens_per_s=replay["tokens_per_s"],
                     speedup_same_text=cell["tokens_per_s"] / replay["tokens_per_s"])
+        if "time_by_kind" in cell:
+            cell["extra_over_same_text"] = extra_over_same_text(cell, replay)
     elif L == 0:
         cell["speedup_same_text"] = 1.0
     return cell
@@ -278,6 +328,9 @@ def measure_lockstep(target, sampling, chosen, costs, prompts, batch, args):
             again = results[id(replay)]
             cell.update(same_text_target_tokens_per_s=again["tokens_per_s"],
                         speedup_same_text=cell["tokens_per_s"] / again["tokens_per_s"])
+            if "time_by_kind" in cell:
+                cell["extra_over_same_text"] = extra_over_same_text(cell, again)
+                _print_extra(cell)
         elif L == 0:
             cell["speedup_same_text"] = 1.0
         cells.append(cell)
@@ -297,7 +350,8 @@ def main() -> int:
     ap.add_argument("--draft", default="eagle")
     ap.add_argument("--datasets", nargs="+", default=["aime24", "math500"])
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 8, 16, 32])
-    ap.add_argument("--fixed-l", nargs="+", type=int, default=[1, 2, 3, 5, 7])
+    ap.add_argument("--fixed-l", nargs="*", type=int, default=[1, 2, 3, 5, 7],
+                    help="fixed draft lengths to compare (none: AV against target-only only)")
     ap.add_argument("--adaptive-l", type=int, default=7)
     ap.add_argument("--cell-tokens", type=int, default=384, help="tokens emitted per cell, per batch row")
     ap.add_argument("--min-cell-tokens", type=int, default=3072,
@@ -327,7 +381,7 @@ def main() -> int:
     if args.cell_tokens < 1 or args.min_cell_tokens < 0:
         ap.error("--cell-tokens must be >= 1 and --min-cell-tokens >= 0")
     for flag in ("batch_sizes", "fixed_l"):
-        if min(getattr(args, flag)) < 1:
+        if min(getattr(args, flag), default=1) < 1:
             ap.error(f"--{flag.replace('_', '-')} values must be >= 1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

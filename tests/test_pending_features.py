@@ -22,6 +22,7 @@ op = st.one_of(
     st.tuples(st.just("append"), st.lists(st.integers(0, 4), min_size=1, max_size=1), st.booleans()),
     st.tuples(st.just("append_one"), st.integers(1, 4), st.booleans()),
     st.tuples(st.just("take"), st.integers(0, 2**16), st.booleans()),
+    st.tuples(st.just("peek"), st.integers(0, 2**16), st.booleans()),
     st.tuples(st.just("select"), st.integers(0, 2**16), st.booleans()),
     st.tuples(st.just("join"), st.lists(st.integers(0, 5), min_size=1, max_size=3), st.booleans()),
 )
@@ -72,6 +73,20 @@ def test_queues_match_a_per_row_list_model(initial, ops):
                     assert torch.equal(got[r, j], v)
                 if rows[r]:
                     model[r] = []
+        elif kind == "peek" and batch:
+            # a probe's scratch read of the newest `window` pairs (left queued), then the rows that fit dropped
+            rows = torch.tensor([(arg >> r) & 1 == 1 for r in range(batch)])
+            window = 1 + (arg >> 8) % 4
+            got, counts = store.peek(rows, window)
+            for r in range(batch):
+                want = model[r][-window:] if rows[r] else []
+                assert int(counts[r]) == len(want)
+                for j, v in enumerate(want):
+                    assert torch.equal(got[r, j], v)
+            if flag:
+                fits = rows & torch.tensor([len(q) <= window for q in model])
+                store.drop(fits)
+                model = [[] if bool(fits[r]) else q for r, q in enumerate(model)]
         elif kind == "select" and batch:
             keep = [r for r in range(batch) if (arg >> r) & 1 == 1]
             if flag:
@@ -113,3 +128,7 @@ def test_bad_shapes_are_refused_by_name():
     store.add_rows(None, torch.zeros(2, dtype=torch.int64))
     with pytest.raises(ValueError, match="features"):
         store.append_one(torch.zeros(3, 1, F))  # 3 rows for a batch of 2
+    with pytest.raises(ValueError, match="window"):
+        store.peek(torch.ones(2, dtype=torch.bool), 0)
+    with pytest.raises(ValueError, match="rows"):
+        store.peek(torch.ones(3, dtype=torch.bool), 2)

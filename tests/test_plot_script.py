@@ -203,3 +203,20 @@ def test_av_sweep_lockstep_replay_follows_its_source_live():
     assert len(replayer.cancelled) == 2 and cells[2]["requests_finished"] == 2
     assert cells[1]["rounds"] == 5 and cells[2]["rounds"] == 10 and cells[2]["acceptance_length"] == 1.0
     assert engine.opened == replayer.opened == other.opened == 0
+
+
+def test_av_sweep_splits_av_time_over_its_replay_by_round_kind():
+    """An AV cell's time over target-only on its own text, by round kind: each kind's ms minus the replay's ms
+    per token (its rounds only, joins apart) times the kind's tokens; joins against the replay's joins."""
+    sweep = _load("av_sweep")
+    cell = {"seconds": 1.0, "time_by_kind": {"off": {"ms": 600.0, "rounds": 100, "tokens": 100},
+                                             "probe": {"ms": 100.0, "rounds": 2, "tokens": 3},
+                                             "on": {"ms": 0.0, "rounds": 0, "tokens": 0},
+                                             "join": {"ms": 300.0, "rounds": 3, "tokens": 0}}}
+    replay = {"seconds": 0.85, "tokens": 103, "join_ms": 335.0}  # 515 ms of rounds: 5 ms a token
+    extra = sweep.extra_over_same_text(cell, replay)
+    assert extra["replay_ms_per_token"] == pytest.approx(5.0)
+    assert extra["off"]["extra_ms"] == pytest.approx(100.0) and extra["off"]["share"] == pytest.approx(0.1)
+    assert extra["probe"]["extra_ms"] == pytest.approx(85.0) and extra["probe"]["ms_each"] == pytest.approx(50.0)
+    assert extra["join"]["extra_ms"] == pytest.approx(-35.0)
+    assert extra["on"]["extra_ms"] == 0.0

@@ -255,10 +255,11 @@ def test_deferred_eagle_catch_up_gives_the_q_rows_of_per_round_catch_up(tiny_tar
     torch.testing.assert_close(c[-1], a4[-1], atol=1e-5, rtol=1e-5)
 
 
-def _drive_eagle_rows(target, draft, histories, per_row, seed=0):
+def _drive_eagle_rows(target, draft, histories, per_row, seed=0, windows=None):
     """Feed ``draft`` round by round as the engine does, with random target features; ``per_row[r][i]`` is the
-    max drafts of row r in round i (0 defers its catch-up). Returns the q rows of position 1 of every round
-    (``None`` for a round in which no row drafted)."""
+    max drafts of row r in round i (0 defers its catch-up); ``windows[i]``: the round's ``probe_window`` (as the
+    engine sets it on a probe round). Returns the q rows of position 1 of every round (``None`` for a round in
+    which no row drafted)."""
     gen = torch.Generator().manual_seed(seed)
     hidden3 = 3 * target.model.config.hidden_size
     draft.context_capacity = 256
@@ -268,6 +269,7 @@ def _drive_eagle_rows(target, draft, histories, per_row, seed=0):
     rows = []
     for i in range(len(per_row[0])):
         limits = torch.tensor([int(s[i]) for s in per_row])
+        draft.probe_window = None if windows is None else windows[i]
         proposal = draft.propose(histories, limits, target.vocab_size)
         rows.append(proposal.probs[:, 0].clone() if proposal.probs.shape[1] else None)
         draft.observe_target(torch.randn(len(histories), 1, hidden3, generator=gen))  # slot 0's features
@@ -275,6 +277,84 @@ def _drive_eagle_rows(target, draft, histories, per_row, seed=0):
         for r, h in enumerate(histories):  # the committed token (any fixed sequence)
             h.append((len(h) * 7 + r) % 32)
     return rows
+
+
+def test_a_windowed_probe_is_rolled_back_and_the_resumed_catch_up_stays_exact(tiny_target):
+    """A probe round with ``probe_window`` = 2 after 6 rounds off drafts from the newest 2 pending pairs only (its
+    q rows differ from a full catch-up's), then rolls back: the rounds after it, drafting again with the whole
+    queue fed, give the q rows of a run whose probe caught up everything. A window that holds the whole queue
+    is the full catch-up."""
+    histories = [[3, 1, 4, 1, 5], [2, 7, 1], [9, 9, 9, 9, 9, 9, 9]]
+    schedule = [1, 0, 0, 0, 0, 0, 0, 1, 0, 0, 1, 1]
+    probe = 7
+    reference = eagle(tiny_target, SamplingParams(1.0))
+    exact = _drive_eagle(tiny_target, reference, histories, schedule)
+    for window, same_probe in ((2, False), (64, True)):
+        windows = [window if i == probe else None for i in range(len(schedule))]
+        draft = eagle(tiny_target, SamplingParams(1.0))
+        got = [q for q, limit in zip(_drive_eagle_rows(tiny_target, draft, histories,
+                                                       [torch.tensor(schedule)] * 3, windows=windows), schedule)
+               if limit]
+        assert draft._scratch is None and draft.kv.lengths.tolist() == reference.kv.lengths.tolist()
+        probe_close = torch.allclose(got[1], exact[1], atol=1e-5, rtol=1e-5)
+        assert probe_close == same_probe, f"window {window}: the probe's q rows should {'' if same_probe else 'not '}match"
+        for j in (2, 3):  # speculation resumed: the exact catch-up of every pair
+            torch.testing.assert_close(got[j], exact[j], atol=1e-5, rtol=1e-5)
+
+
+def test_a_windowed_probe_drafts_at_the_true_positions(tiny_target, monkeypatch):
+    """The opening probe with ``probe_window`` = W on a long prompt (nothing caught up yet), two drafts deep: the
+    head sees only the newest W pairs, at their true positions; rotary attention depends on relative positions
+    only, so its q rows are those of a fresh head given just those W pairs (positions 0..W-1). A window fed at
+    the cache's positions would also match at draft 1 but not at draft 2 if the draft step were not shifted."""
+    import specadapt.engine.eagle_draft as eagle_module
+
+    monkeypatch.setattr(eagle_module, "draw_tokens", lambda q, coins: q.argmax(-1, keepdim=True).expand(-1, coins.shape[1]))
+    gen = torch.Generator().manual_seed(1)
+    hidden3 = 3 * tiny_target.model.config.hidden_size
+    history = [int(t) for t in torch.randint(0, 32, (20,), generator=gen)]
+    features = torch.randn(1, len(history) - 1, hidden3, generator=gen)
+    window = 5
+    probs = []
+    for h, f, w in ((history, features, window), (history[-(window + 1):], features[:, -window:], None)):
+        draft = eagle(tiny_target, SamplingParams(1.0))
+        draft.context_capacity = 64
+        draft.start([h])
+        draft.observe_target(f)
+        draft.probe_window = w
+        proposal = draft.propose([h], torch.tensor([2]), tiny_target.vocab_size)
+        assert proposal.probs.shape[1] == 2
+        probs.append(proposal.probs[0])
+    torch.testing.assert_close(probs[0], probs[1], atol=1e-5, rtol=1e-4)
+
+
+def test_a_windowed_probe_follows_the_target_law():
+    """4000 sampled requests on a tiny 8-token target with an EAGLE draft: the opening probe drafts from a scratch
+    window of 1 pair (of 4 pending), then speculation resumes at full depth from the exact catch-up (flat cost):
+    the first two tokens follow the exact target law (chi-square)."""
+    params = SamplingParams(1.0)
+    model = tiny_llama(vocab=8, layers=2, seed=4, init_std=0.3)
+    target = loaded(model)
+    prompt = [1, 2, 3, 1, 2]
+    av = _av(2, FLAT, probe_window=1)
+    draft = eagle(target, params, seed=2)
+    scratch_rounds = []
+    original = draft._feed_pending
+
+    def feed(*args, **kwargs):
+        out = original(*args, **kwargs)
+        scratch_rounds.append(draft._scratch is not None)
+        return out
+
+    draft._feed_pending = feed
+    n_req = 4000
+    results = SpeculativeEngine(target, draft, params, 2, "chain", seed=3, adaptive=av).generate(
+        [prompt] * n_req, 5, batch_size=n_req, seeds=list(range(n_req)))
+    assert scratch_rounds[0] and not any(scratch_rounds[1:]), scratch_rounds
+    assert av.probe_rounds == 1 and all(res.rounds[0].num_drafted == 1 for res in results)
+    assert sum(res.rounds[0].accepted for res in results) > 0, "the probe must accept drafts or it proves little"
+    assert any(len(res.rounds) > 1 and res.rounds[1].num_drafted == 2 for res in results)
+    assert_first_tokens_follow(results, _exact_joint(model, prompt, params, 2), n_req)
 
 
 @pytest.mark.parametrize("costs", [FLAT, CostTable(target_ms=[1.0 + 0.3 * n for n in range(64)], draft_ms=[0.5])])

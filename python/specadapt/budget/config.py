@@ -26,6 +26,13 @@ class AVConfig:
             this share of the plain rounds it waits (past ``probe_interval_max``, to at most 16x it); 0 disables
             it.
         probe_depth: drafts per request a probe round verifies (unpruned).
+        probe_window: the most deferred (feature, token) pairs per request a probe round's EAGLE head reads: a
+            request with more drafts from a scratch context of its newest ``probe_window`` pairs (at their true
+            positions), rolled back after the round, and its whole queue is fed exactly when speculation resumes;
+            0 feeds the whole queue at the probe. Without it a probe's catch-up grows with the rounds it waited
+            (at batch 16 on 2 cores, ~35 us a pair: 83 ms a probe after ~250 rounds off), and the exact catch-up
+            of every pair costs about the head's share of the target's FLOPs (~1.4%) whether or not speculation
+            ever resumes.
         online_overhead: learn the ms a round costs beyond the cost table's forwards from measured rounds.
         overhead_weight: weight of the newest residual in that exponential average.
         max_cost_samples: most ``(predicted, measured, calibrated)`` round times kept for the cost-model report.
@@ -54,6 +61,11 @@ class AVConfig:
                                       "what keeps them within this share of the plain rounds' time (past "
                                       "--av-probe-interval-max, up to 16x it; 0: only the doubling)")
     probe_depth: int = setting(1)
+    probe_window: int = setting(32, flag="--av-probe-window", fronts=("engine",),
+                                help="a probe round's EAGLE head drafts from each request's newest N deferred "
+                                     "pairs (a scratch context, rolled back; the whole queue is fed exactly when "
+                                     "speculation resumes), so a probe's cost does not grow with the rounds it "
+                                     "waited; 0: feed the whole queue at the probe")
     online_overhead: bool = setting(True)
     overhead_weight: float = setting(0.1)
     max_cost_samples: int = setting(100_000)
@@ -69,5 +81,6 @@ class AVConfig:
                 "probe_interval")
         require(0 <= self.probe_share < 1, "probe_share", f"must lie in [0, 1), got {self.probe_share}")
         require(self.probe_depth >= 1, "probe_depth", f"must be >= 1, got {self.probe_depth}")
+        require(self.probe_window >= 0, "probe_window", f"must be >= 0, got {self.probe_window}")
         require(0 < self.overhead_weight <= 1, "overhead_weight", f"must lie in (0, 1], got {self.overhead_weight}")
         require(self.max_cost_samples >= 0, "max_cost_samples", f"must be >= 0, got {self.max_cost_samples}")

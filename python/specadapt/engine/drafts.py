@@ -99,6 +99,14 @@ class Draft:
     #: committed + ``drafts[:i]``, the history the target's verify row ``i`` sees.
     history_counts = None
 
+    #: Set by the engine before every :meth:`propose` / :meth:`propose_paths`: on an adaptive verification probe
+    #: round (speculation off, one round testing whether it pays again) the most deferred context a row's draft
+    #: may catch up for this round, else ``None``. A draft whose catch-up was deferred (the EAGLE head) then
+    #: drafts from a scratch context of the row's newest ``probe_window`` pairs at their true positions, rolled
+    #: back at :meth:`commit`: the deferred pairs stay queued and are fed exactly when drafting resumes, so a
+    #: probe no longer pays a catch-up that grows with the rounds it waited. Drafts that defer nothing ignore it.
+    probe_window: int | None = None
+
     def target_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Features this draft takes from the target's ``hidden_states`` (only when ``needs_target_hidden``)."""
         raise NotImplementedError

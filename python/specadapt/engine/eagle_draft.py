@@ -56,6 +56,8 @@ class EagleDraft(Draft):
         self._round_features: torch.Tensor | None = None
         self._awaiting_prefill = False
         self._prompt_pairs: torch.Tensor | None = None
+        # a probe's scratch context (probe_window): (rows [B] bool, their cache lengths before it, skipped pairs)
+        self._scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._fed_before: torch.Tensor | None = None  # the head's cache lengths before this round's feed
         self._round_open = False  # propose / propose_paths ran and commit has not yet
         self._paths = 1
@@ -78,6 +80,7 @@ class EagleDraft(Draft):
         self._prompt_pairs = torch.tensor([len(h) - 1 for h in histories], dtype=torch.int64)
         self._pending = None
         self._fed_before = None
+        self._scratch = None
         self._round_open = False
         self._paths = 1
         hidden3 = 3 * self.head.hidden_size
@@ -101,10 +104,19 @@ class EagleDraft(Draft):
         [B] bool)`` (meaningful for the fed rows)."""
         batch = len(histories)
         fed = torch.ones(batch, dtype=torch.bool) if rows is None else rows.cpu().to(torch.bool)
+        self._scratch = None
+        window = self.probe_window
         if self._pending is None:
             feats, counts = None, torch.zeros(batch, dtype=torch.int64)
-        else:
+        elif window is None:
             feats, counts = self._pending.take(fed)
+        else:  # a probe: rows with more than `window` pending pairs draft from a scratch context (rolled back)
+            have = self._pending.counts.clone()
+            feats, counts = self._pending.peek(fed, window)
+            scratch = fed & (have > counts)
+            self._pending.drop(fed & ~scratch)  # rows whose whole queue fits are caught up for good
+            if bool(scratch.any()):
+                self._scratch = (scratch, self.kv.lengths.cpu().clone(), torch.where(scratch, have - counts, 0))
         width = int(counts.max()) if batch else 0
         hidden = self.head.hidden_size
         if width == 0:
@@ -116,14 +128,35 @@ class EagleDraft(Draft):
         ids, _ = pad_token_lists([h[len(h) - int(c) :] if c else []
                                   for h, c in zip(histories, counts.tolist())])  # [B, width]
         # only each row's last fed pair is read (its g and q row): the caches compute no more than that
-        out = self.kv.forward(ids, counts, return_outputs=True, features=feats, logit_columns=counts - 1)
+        out = self.kv.forward(ids, counts, return_outputs=True, features=feats, logit_columns=counts - 1,
+                              **self._shift_kwargs(batch, width))
         logits, hidden = out.logits[:, 0], out.hidden[:, 0]
         for r in range(batch if self.record_context else 0):
             c = int(counts[r])
+            if self._scratch is not None and bool(self._scratch[0][r]):
+                continue  # a scratch window is rolled back: its pairs are recorded when fed for good
             if c:
                 self.recent_features[r] = torch.cat([self.recent_features[r], feats[r, :c].float().cpu()])[-self.window :]
                 self.recent_tokens[r] = torch.cat([self.recent_tokens[r], ids[r, :c]])[-self.window :]
         return hidden, logits.float(), self.kv.lengths.cpu() > 0
+
+    def _shift_kwargs(self, rows: int, width: int) -> dict:
+        """``chunk_positions`` of a chunk of ``width`` columns for ``rows`` cache rows while a probe's scratch
+        context is open: a scratch row's entries sit at the end of its caught-up cache but at their true
+        positions, ``skipped`` further on (``{}`` otherwise: positions follow the cache)."""
+        if self._scratch is None:
+            return {}
+        shift = self._scratch[2]
+        if rows != shift.shape[0]:  # GBV's paths: row b * K + k is path k of request b
+            shift = shift.repeat_interleave(rows // shift.shape[0])
+        return {"chunk_positions": shift[:, None] + torch.arange(width)[None, :]}
+
+    def _end_scratch(self) -> None:
+        """Roll the scratch rows' cache back to where their caught-up context ended (their pairs stay queued)."""
+        if self._scratch is not None and self._fed_before is not None:
+            scratch, before, _ = self._scratch
+            self._fed_before = torch.where(scratch, before, self._fed_before)
+        self._scratch = None
 
     def _sample(self, logits: torch.Tensor, coins: torch.Tensor, history=None):
         """Sample ``n`` tokens per row of the head's logits ``[R, Vd]`` (over ``head.draft_vocab``) with
@@ -141,7 +174,8 @@ class EagleDraft(Draft):
         the others get a hole (their outputs are meaningless), so a row that drafts fewer tokens than the batch's
         longest never writes past its own drafts, e.g. past the end of the context window."""
         num_valid = torch.ones(tokens.shape[0], dtype=torch.int64) if valid is None else valid.to(torch.int64)
-        out = self.kv.forward(tokens[:, None], num_valid, return_outputs=True, features=g[:, None])
+        out = self.kv.forward(tokens[:, None], num_valid, return_outputs=True, features=g[:, None],
+                              **self._shift_kwargs(tokens.shape[0], 1))
         return out.hidden[:, -1], out.logits[:, -1].float()
 
     def propose(self, histories, max_tokens, vocab_size, draft_filter=None) -> DraftProposal:
@@ -240,6 +274,7 @@ class EagleDraft(Draft):
         if self._fed_before is None:  # a plain round (nothing drafted or fed): one pair per row
             self._pending.append_one(self._round_features)
         else:
+            self._end_scratch()  # a probe's scratch rows roll back past their window too
             self.kv.truncate(self._fed_before)  # drop the entries fed with the head's own outputs
             self._fed_before = None
             self._pending.append(self._round_features, accept_len.to(torch.int64) + 1)

@@ -544,6 +544,7 @@ class SpeculativeEngine:
         if (self.adaptive is None or self._round_limit == 0) and not bool(max_drafts.any()):
             return self._plain_round(kv, histories)
         self.draft.history_counts = self._counts
+        self.draft.probe_window = self._probe_window()
         proposal = self.draft.propose(histories, max_drafts, self.vocab_size, draft_filter=self._draft_filter)
         n_draft = proposal.num_tokens
         if self.adaptive is not None:
@@ -582,6 +583,13 @@ class SpeculativeEngine:
         if self.tts is not None and proposed > 0:  # (the round counts for TTS's stride even if all was pruned)
             self.tts.end_round(histories, proposal.tokens, n_draft, accept_len, target_probs, proposal.probs)
         return accept_len, out.output_tokens, n_draft
+
+    def _probe_window(self) -> int | None:
+        """:attr:`Draft.probe_window` of this round: adaptive verification's ``probe_window`` on a probe round
+        (a draft limit above 0 while speculation is off, or the opening probe), else ``None``."""
+        if self.adaptive is None or not self._round_limit:
+            return None
+        return self.adaptive.config.probe_window or None
 
     def _plain_round(self, kv, histories: list[list[int]]):
         """A round in which no request drafts (target-only decoding, speculation off for the whole batch): one
@@ -624,6 +632,7 @@ class SpeculativeEngine:
         room = torch.clamp(remaining.to(torch.int64) - 1, min=0, max=L)  # [B]
         L = int(room.max())
         self.draft.history_counts = self._counts
+        self.draft.probe_window = self._probe_window()
         short = bool((room < L).any())
         tokens, q = self.draft.propose_paths(histories, L, self.vocab_size, K,
                                              depths=room if short else None)  # [B,K,L], [B,K,L,V]

@@ -174,6 +174,40 @@ class PendingFeatures:
         self._counts = torch.tensor([h - c for h, c in zip(have, counts)], dtype=torch.int64)
         return features, torch.tensor(counts, dtype=torch.int64)
 
+    def peek(self, rows: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last ``min(counts[r], window)`` pending pairs of the marked rows, left in the queue (a probe's
+        scratch context, :attr:`specadapt.engine.drafts.Draft.probe_window`).
+
+        Args:
+            rows: ``[B] bool``: rows to read (the others get count 0).
+            window: the most pairs read per row, ``>= 1``.
+
+        Returns:
+            ``(features [B, w, F], counts [B] int64)`` as :meth:`take` returns them: ``w`` = the largest count
+            read; row ``r``'s first ``counts[r]`` columns are its newest pairs in commit order.
+
+        Raises:
+            ValueError: ``window < 1`` or ``rows`` not of ``B`` entries.
+        """
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self._flush()
+        have, marked = self._counts.tolist(), rows.to("cpu", torch.bool).tolist()
+        if len(marked) != len(have):
+            raise ValueError(f"rows must have {len(have)} entries (one per row), got {len(marked)}")
+        counts = [min(h, window) if m else 0 for h, m in zip(have, marked)]
+        width = max(counts, default=0)
+        start = torch.tensor([h - c for h, c in zip(have, counts)], dtype=torch.int64)
+        columns = (start[:, None] + torch.arange(width)[None, :]).clamp(max=max(self._store.shape[1] - 1, 0))
+        slots = self._row_slot[:, None].expand(-1, width)
+        features = self._store[slots.to(self.device), columns.to(self.device)]
+        return features, torch.tensor(counts, dtype=torch.int64)
+
+    def drop(self, rows: torch.Tensor) -> None:
+        """Forget every pending pair of the marked rows (``[B] bool``): they were fed by other means."""
+        marked = rows.to("cpu", torch.bool)
+        self.counts = torch.where(marked, torch.zeros_like(self.counts), self.counts)
+
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these rows, in this order (``[B'] int64``); the others' slots are freed (nothing copied)."""
         self._flush()
