@@ -247,6 +247,7 @@ def test_a_round_pruned_to_no_drafts_still_counts_for_tts():
                             observe=lambda *a: calls.append("observe")),
                 tts=NS(end_round=lambda h, tokens, *rest: calls.append(("tts", tuple(tokens.shape)))))
     engine._coins = lambda histories, w: SpeculativeEngine._coins(engine, histories, w)
+    engine._probe_window = lambda: None  # not a probe round
     kv = SlotKVCache(stack, batch, 16)
     kv.forward(torch.ones(batch, 2, dtype=torch.int64), torch.tensor([2, 2]))
     accept, _, n_draft = SpeculativeEngine._single_path_round(engine, kv, [[1, 2, 3], [4, 5, 6]], torch.tensor([9, 9]))
