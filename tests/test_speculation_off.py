@@ -28,6 +28,7 @@ def _av(L, costs, speculation="auto", **settings):
     ``settings``: :class:`AVConfig` fields."""
     settings.setdefault("online_overhead", False)
     settings.setdefault("probe_share", 0.0)
+    settings.setdefault("probe_rows", 0)  # a probe verifies every request unless a test says otherwise
     return AdaptiveVerification(AcceptanceEstimator(L, refit_interval=5), costs, AVConfig(**settings),
                                 speculation=speculation)
 
@@ -211,23 +212,60 @@ def test_speculation_off_and_probes_follow_the_target_law():
     assert_first_tokens_follow(results, _exact_joint(model, prompt, params, 2), n_req)
 
 
-def test_the_opening_probe_follows_the_target_law():
+@pytest.mark.parametrize("probe_rows", [0, 1500])
+def test_the_opening_probe_follows_the_target_law(probe_rows):
     """A fresh adaptive verification (no B* yet): 4000 sampled requests whose first round is the opening probe
-    (one draft each) and whose next rounds speculate at full depth (a copy draft under a flat cost): the first
-    two tokens follow the exact target law (chi-square)."""
+    (one draft each, every request's verified or, with ``probe_rows``, 1500 of them) and whose next rounds
+    speculate at full depth (a copy draft under a flat cost): the first two tokens follow the exact target law
+    (chi-square)."""
     params = SamplingParams(1.0)
     model = tiny_llama(vocab=8, layers=2, seed=4, init_std=0.3)
     target = loaded(model)
     prompt = [1, 2, 3, 1, 2]
-    av = _av(2, FLAT)
+    av = _av(2, FLAT, probe_rows=probe_rows)
     draft = ModelDraft(self_draft(target, 2), params, 2, "self:2")
     n_req = 4000
     results = SpeculativeEngine(target, draft, params, 2, "chain", seed=3, adaptive=av).generate(
         [prompt] * n_req, 5, batch_size=n_req, seeds=list(range(n_req)))
-    assert av.probe_rounds == 1 and all(res.rounds[0].num_drafted == 1 for res in results)
+    verified = [res.rounds[0].num_drafted for res in results]
+    assert av.probe_rounds == 1 and sorted(set(verified)) == ([1] if probe_rows == 0 else [0, 1])
+    assert sum(verified) == (probe_rows or n_req)
     assert sum(res.rounds[0].accepted for res in results) > 0, "the probe must accept drafts or it proves little"
     assert any(len(res.rounds) > 1 and res.rounds[1].num_drafted == 2 for res in results)
     assert_first_tokens_follow(results, _exact_joint(model, prompt, params, 2), n_req)
+
+
+def test_a_probe_above_probe_rows_verifies_a_rotating_subset_and_ranks_every_row(tiny_target):
+    """Batch 4, ``probe_rows`` = 2, a draft that never pays (steep cost): each probe verifies the drafts of 2
+    requests, the next 2 at the next probe (the opening probe included), the others decode plainly in the same
+    round; greedy output equals target-only. The next ``B*`` ranks every request's position-1 survival, verified
+    or not: under a flat cost the opening probe switches speculation on although only 2 rows were verified."""
+    n, L = 24, 3
+    prompts = [p for p in PROMPTS if len(p) > 1][:3] + [[4, 5, 6]]
+    expected = [naive_greedy(tiny_target.model, p, n) for p in prompts]
+    av = _av(L, STEEP, probe_interval=1, probe_interval_max=1, probe_rows=2)
+    draft = ModelDraft(self_draft(tiny_target, 1), GREEDY, 0, "self:1")
+    results = SpeculativeEngine(tiny_target, draft, GREEDY, L, "chain", adaptive=av).generate(prompts, n,
+                                                                                             batch_size=4)
+    assert [r.output_ids for r in results] == expected
+    probes = [[res.rounds[i].num_drafted for res in results] for i in range(len(results[0].rounds))
+              if any(res.rounds[i].num_drafted for res in results)]
+    assert len(probes) >= 3
+    assert probes[:3] == [[1, 1, 0, 0], [0, 0, 1, 1], [1, 1, 0, 0]], probes
+    seen = []
+    av = _av(L, FLAT, probe_rows=2)
+    original = av.plan_features
+
+    def plan(features, num_drafts):
+        out = original(features, num_drafts)
+        seen.append((out[0].tolist(), av.stale_budget))
+        return out
+
+    av.plan_features = plan
+    results = SpeculativeEngine(tiny_target, ModelDraft(self_draft(tiny_target, 1), GREEDY, 0, "self:1"), GREEDY, L,
+                                "chain", adaptive=av).generate(prompts, n, batch_size=4)
+    assert [r.output_ids for r in results] == expected
+    assert seen[0][0] == [1, 1, 0, 0] and seen[0][1] == 4 * L, seen[0]  # every row's L slots in the budget
 
 
 def _drive_eagle(target, draft, histories, schedule, seed=0):

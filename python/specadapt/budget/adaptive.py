@@ -28,7 +28,10 @@ deferred catch-up, draft step and extra verified tokens, over a plain round) has
 least what keeps probes within ``probe_share`` of the plain rounds' time (up to 16x ``probe_interval_max``; at
 batch 32 on 2 cores a probe costs about 2 plain rounds, so 1% means about 200 rounds: probing every 64 rounds
 cost 5% of the decode time); a round that speculates resets it to ``probe_interval``. The first round of an engine (no ``B*`` yet) is a probe too (the opening probe: it does not double the
-wait). Whether a round is off or a probe depends only on earlier rounds, never on this round's drafted tokens
+wait). At a batch above ``probe_rows`` a probe verifies a rotating subset of that many requests' drafts; every
+request drafts (the next ``B*`` ranks every request's position-1 survival), the rest decode plainly. A probe's
+EAGLE head reads at most ``probe_window`` deferred pairs per request (a scratch context rolled back after the
+round, :attr:`~specadapt.engine.drafts.Draft.probe_window`), so its cost no longer grows with its wait. Whether a round is off or a probe depends only on earlier rounds, never on this round's drafted tokens
 (the exactness condition above).
 """
 
@@ -107,6 +110,7 @@ class AdaptiveVerification:
     _off_streak: int = field(default=0, init=False)
     _probe_wait: int = field(default=0, init=False)
     _probing: bool = field(default=False, init=False)
+    _probe_cursor: int = field(default=0, init=False)  # the first row the next probe verifies (probe_rows)
     # probe_share: the measured extra ms of a probe round over a plain one (average), and a plain round's ms
     _probe_excess_ms: float | None = field(default=None, init=False)
     _plain_round_ms: float | None = field(default=None, init=False)
@@ -295,6 +299,8 @@ class AdaptiveVerification:
         opening = self.stale_budget is None  # the engine's first round (under "auto", the opening probe)
         if self.stale_budget is None or not self.prune or probing:
             num_verify = num_drafts.clone()  # a probe round verifies what it drafted (probe_depth per request)
+            if probing and 0 < self.config.probe_rows < num_verify.shape[0]:
+                num_verify = self._probe_subset(num_verify)
         else:
             num_verify = torch.minimum(allocate_prefixes(surv, self.stale_budget), num_drafts)
         # with early stop the draft runs only as deep as the budget reaches: cost the depth (L = estimator's K)
@@ -329,6 +335,17 @@ class AdaptiveVerification:
         self.pruned += int((num_drafts - num_verify).sum())
         self.verified += int(num_verify.sum())
         return num_verify, features, predictions
+
+    def _probe_subset(self, num_verify: torch.Tensor) -> torch.Tensor:
+        """A probe's verified rows: ``probe_rows`` consecutive rows of the batch from a cursor that moves on by as
+        many each probe (wrapping), so every row's draft is verified in turn; the others verify nothing. The
+        choice depends on the probe count only, never on a drafted token (exact). ``[B] int64`` in and out."""
+        batch, k = num_verify.shape[0], self.config.probe_rows
+        rows = (self._probe_cursor + torch.arange(k)) % batch
+        keep = torch.zeros(batch, dtype=torch.bool)
+        keep[rows] = True
+        self._probe_cursor = (self._probe_cursor + k) % batch
+        return torch.where(keep, num_verify, torch.zeros_like(num_verify))
 
     def _plan_off_round(self, features: torch.Tensor, num_drafts: torch.Tensor):
         """:meth:`plan_features` of a round with speculation off: nothing was drafted, so no survival is known and

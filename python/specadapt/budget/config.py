@@ -33,6 +33,10 @@ class AVConfig:
             (at batch 16 on 2 cores, ~35 us a pair: 83 ms a probe after ~250 rounds off), and the exact catch-up
             of every pair costs about the head's share of the target's FLOPs (~1.4%) whether or not speculation
             ever resumes.
+        probe_rows: the most requests a probe round verifies (0: all): every request drafts, so the next ``B*``
+            sees each one's position-1 feature, but only a rotating subset of this many verifies its draft (the
+            estimator learns from those); the rest decode plainly in the same forward. At batch 32 on 2 cores each
+            verified row adds about 2 ms to the probe's target forward.
         online_overhead: learn the ms a round costs beyond the cost table's forwards from measured rounds.
         overhead_weight: weight of the newest residual in that exponential average.
         max_cost_samples: most ``(predicted, measured, calibrated)`` round times kept for the cost-model report.
@@ -66,6 +70,9 @@ class AVConfig:
                                      "pairs (a scratch context, rolled back; the whole queue is fed exactly when "
                                      "speculation resumes), so a probe's cost does not grow with the rounds it "
                                      "waited; 0: feed the whole queue at the probe")
+    probe_rows: int = setting(8, flag="--av-probe-rows", fronts=("engine",),
+                              help="the most requests a probe round verifies (a rotating subset; every request "
+                                   "still drafts, so the budget sees each one's draft confidence); 0: all")
     online_overhead: bool = setting(True)
     overhead_weight: float = setting(0.1)
     max_cost_samples: int = setting(100_000)
@@ -82,5 +89,6 @@ class AVConfig:
         require(0 <= self.probe_share < 1, "probe_share", f"must lie in [0, 1), got {self.probe_share}")
         require(self.probe_depth >= 1, "probe_depth", f"must be >= 1, got {self.probe_depth}")
         require(self.probe_window >= 0, "probe_window", f"must be >= 0, got {self.probe_window}")
+        require(self.probe_rows >= 0, "probe_rows", f"must be >= 0, got {self.probe_rows}")
         require(0 < self.overhead_weight <= 1, "overhead_weight", f"must lie in (0, 1], got {self.overhead_weight}")
         require(self.max_cost_samples >= 0, "max_cost_samples", f"must be >= 0, got {self.max_cost_samples}")
