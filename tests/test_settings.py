@@ -22,7 +22,7 @@ CONFIGS = (AVConfig, TTSConfig)
 #: settings the SGLang plugin has no flag for (it has no per-request adapters / supervision choices, and its
 #: draft graph always runs: no early stop, no speculation-off probes)
 ENGINE_ONLY = {"scope", "supervise", "rounds", "early_stop", "probe_interval", "probe_interval_max", "probe_share",
-               "probe_window", "probe_rows"}
+               "probe_window", "probe_rows", "resume_probes"}
 
 
 def _engine_parser(command):
@@ -104,6 +104,7 @@ def test_engine_flags_build_the_records():
     (AVConfig, {"probe_share": 1.0}, "probe_share", "--av-probe-share"),
     (AVConfig, {"probe_window": -1}, "probe_window", "--av-probe-window"),
     (AVConfig, {"probe_rows": -1}, "probe_rows", "--av-probe-rows"),
+    (AVConfig, {"resume_probes": 0}, "resume_probes", "--av-resume-probes"),
     (EstimatorConfig, {"refit_interval": 0}, "refit_interval", "--av-refit-interval"),
     (EstimatorConfig, {"damping": -1.0}, "damping", "--av-damping"),
 ])

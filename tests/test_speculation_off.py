@@ -29,6 +29,7 @@ def _av(L, costs, speculation="auto", **settings):
     settings.setdefault("online_overhead", False)
     settings.setdefault("probe_share", 0.0)
     settings.setdefault("probe_rows", 0)  # a probe verifies every request unless a test says otherwise
+    settings.setdefault("resume_probes", 1)  # one probe choosing B* > 0 resumes speculation unless a test says
     return AdaptiveVerification(AcceptanceEstimator(L, refit_interval=5), costs, AVConfig(**settings),
                                 speculation=speculation)
 
@@ -268,6 +269,32 @@ def test_a_probe_above_probe_rows_verifies_a_rotating_subset_and_ranks_every_row
     assert seen[0][0] == [1, 1, 0, 0] and seen[0][1] == 4 * L, seen[0]  # every row's L slots in the budget
 
 
+def test_speculation_resumes_only_after_resume_probes_in_a_row(tiny_target):
+    """``resume_probes`` = 2 under a flat cost (drafting always pays): the opening probe chooses B* > 0 but
+    speculation stays off, the confirming probe comes ``probe_interval`` rounds later and resumes it; greedy
+    output equals target-only. A probe choosing B* = 0 in between restarts the count (unit level)."""
+    n, L = 24, 3
+    prompts = [p for p in PROMPTS if len(p) > 1]
+    expected = [naive_greedy(tiny_target.model, p, n) for p in prompts]
+    av = _av(L, FLAT, probe_interval=2, resume_probes=2)
+    draft = ModelDraft(self_draft(tiny_target, 1), GREEDY, 0, "self:1")
+    results = SpeculativeEngine(tiny_target, draft, GREEDY, L, "chain", adaptive=av).generate(prompts, n,
+                                                                                             batch_size=4)
+    assert [r.output_ids for r in results] == expected
+    drafted = [r.num_drafted for r in results[0].rounds]
+    assert drafted[:5] == [1, 0, 0, 1, L], drafted  # probe (held), 2 rounds off, probe (confirmed), speculation
+    assert av.probe_rounds == 2 and av.rounds_off == 2
+    # unit level: positive, negative, positive probes never resume; two positives in a row do
+    av = _av(L, FLAT, resume_probes=2)
+    outcomes = []
+    for positive in (True, False, True, True):
+        av.stale_budget, av._probing, av._round_limit = (0 if av.stale_budget is not None else None), True, 1
+        av.costs = FLAT if positive else STEEP
+        av.plan_features(torch.full((2, 1), 3.0), torch.ones(2, dtype=torch.int64))
+        outcomes.append(av.stale_budget > 0)
+    assert outcomes == [False, False, False, True], outcomes
+
+
 def _drive_eagle(target, draft, histories, schedule, seed=0):
     """:func:`_drive_eagle_rows` with one schedule for every row; returns the q rows of the drafting rounds only."""
     per_row = [torch.tensor(schedule)] * len(histories)
@@ -396,14 +423,16 @@ def test_a_windowed_probe_follows_the_target_law():
 
 
 @pytest.mark.parametrize("costs", [FLAT, CostTable(target_ms=[1.0 + 0.3 * n for n in range(64)], draft_ms=[0.5])])
-@pytest.mark.parametrize("which", ["eagle", "self:1"])
+@pytest.mark.parametrize("which", ["eagle", "self:1", "eagle-window-1"])
 def test_adaptive_gbv_greedy_equals_target_only(tiny_target, costs, which):
+    """``eagle-window-1``: every probe (the opening one on prompts of 2+ pending pairs) drafts GBV's paths from
+    a scratch window of 1 pair, rolled back after the round."""
     n, L = 20, 3
     prompts = [p for p in PROMPTS if len(p) > 1]
     expected = [naive_greedy(tiny_target.model, p, n) for p in prompts]
-    draft = (eagle(tiny_target, subset=torch.arange(0, 32, 2)) if which == "eagle"
+    draft = (eagle(tiny_target, subset=torch.arange(0, 32, 2)) if which.startswith("eagle")
              else ModelDraft(self_draft(tiny_target, 1), GREEDY, 0, "self:1"))
-    av = _av(L, costs)
+    av = _av(L, costs, probe_window=1 if which == "eagle-window-1" else 32)
     engine = SpeculativeEngine(tiny_target, draft, GREEDY, L, "gbv", num_paths=2, adaptive=av)
     results = engine.generate(prompts, n, batch_size=3)
     assert [r.output_ids for r in results] == expected

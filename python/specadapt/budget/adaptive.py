@@ -31,7 +31,9 @@ cost 5% of the decode time); a round that speculates resets it to ``probe_interv
 wait). At a batch above ``probe_rows`` a probe verifies a rotating subset of that many requests' drafts; every
 request drafts (the next ``B*`` ranks every request's position-1 survival), the rest decode plainly. A probe's
 EAGLE head reads at most ``probe_window`` deferred pairs per request (a scratch context rolled back after the
-round, :attr:`~specadapt.engine.drafts.Draft.probe_window`), so its cost no longer grows with its wait. Whether a round is off or a probe depends only on earlier rounds, never on this round's drafted tokens
+round, :attr:`~specadapt.engine.drafts.Draft.probe_window`), so its cost no longer grows with its wait; the
+deferred catch-up is then paid when speculation resumes, which therefore takes ``resume_probes`` probes in a row
+choosing ``B* > 0`` (the confirming ones ``probe_interval`` rounds apart). Whether a round is off or a probe depends only on earlier rounds, never on this round's drafted tokens
 (the exactness condition above).
 """
 
@@ -111,6 +113,7 @@ class AdaptiveVerification:
     _probe_wait: int = field(default=0, init=False)
     _probing: bool = field(default=False, init=False)
     _probe_cursor: int = field(default=0, init=False)  # the first row the next probe verifies (probe_rows)
+    _positive_probes: int = field(default=0, init=False)  # probes in a row that chose B* > 0 (resume_probes)
     # probe_share: the measured extra ms of a probe round over a plain one (average), and a plain round's ms
     _probe_excess_ms: float | None = field(default=None, init=False)
     _plain_round_ms: float | None = field(default=None, init=False)
@@ -326,7 +329,20 @@ class AdaptiveVerification:
         self._round_is_probe = probing and not opening
         if self._round_is_probe:  # what a plain round of this batch would cost: the probe's extra time is over it
             self._plain_round_ms = self.costs.verify_cost(num_drafts.shape[0]) + self._overhead("off")
-        if probing and self.stale_budget == 0 and not opening:
+        held = False  # a probe chose B* > 0 but fewer than resume_probes in a row have: speculation stays off
+        if probing:
+            if self.stale_budget > 0:
+                self._positive_probes += 1
+                held = self._positive_probes < self.config.resume_probes
+                if held:
+                    self.stale_budget = 0
+                else:
+                    self._positive_probes = 0  # speculation resumes: the next switch-off counts afresh
+            else:
+                self._positive_probes = 0
+        if held:
+            self._probe_wait = self.config.probe_interval  # the confirming probe comes soon
+        elif probing and self.stale_budget == 0 and not opening:
             self._probe_wait = self.next_probe_wait()
         elif self._round_limit is None:
             self._probe_wait = self.config.probe_interval  # speculation ran: a later switch-off probes early again

@@ -37,6 +37,11 @@ class AVConfig:
             sees each one's position-1 feature, but only a rotating subset of this many verifies its draft (the
             estimator learns from those); the rest decode plainly in the same forward. At batch 32 on 2 cores each
             verified row adds about 2 ms to the probe's target forward.
+        resume_probes: probes in a row that must choose ``B* > 0`` before speculation resumes after a switch-off
+            (the opening probe included); a probe that would resume earlier keeps speculation off and the next
+            probe comes ``probe_interval`` rounds later. Resuming pays every request's deferred catch-up at once
+            (~35 us a pair: at batch 32 after ~1,000 rounds off, a 1.9 s round), so one noisy probe should not
+            trigger it; a text that turned predictable passes several probes in a row.
         online_overhead: learn the ms a round costs beyond the cost table's forwards from measured rounds.
         overhead_weight: weight of the newest residual in that exponential average.
         max_cost_samples: most ``(predicted, measured, calibrated)`` round times kept for the cost-model report.
@@ -73,6 +78,10 @@ class AVConfig:
     probe_rows: int = setting(8, flag="--av-probe-rows", fronts=("engine",),
                               help="the most requests a probe round verifies (a rotating subset; every request "
                                    "still drafts, so the budget sees each one's draft confidence); 0: all")
+    resume_probes: int = setting(2, flag="--av-resume-probes", fronts=("engine",),
+                                 help="probes in a row that must find speculation pays before it resumes after a "
+                                      "switch-off (resuming pays the deferred catch-up of every request at once); "
+                                      "the confirming probes come --av-probe-interval rounds apart")
     online_overhead: bool = setting(True)
     overhead_weight: float = setting(0.1)
     max_cost_samples: int = setting(100_000)
@@ -90,5 +99,6 @@ class AVConfig:
         require(self.probe_depth >= 1, "probe_depth", f"must be >= 1, got {self.probe_depth}")
         require(self.probe_window >= 0, "probe_window", f"must be >= 0, got {self.probe_window}")
         require(self.probe_rows >= 0, "probe_rows", f"must be >= 0, got {self.probe_rows}")
+        require(self.resume_probes >= 1, "resume_probes", f"must be >= 1, got {self.resume_probes}")
         require(0 < self.overhead_weight <= 1, "overhead_weight", f"must lie in (0, 1], got {self.overhead_weight}")
         require(self.max_cost_samples >= 0, "max_cost_samples", f"must be >= 0, got {self.max_cost_samples}")
