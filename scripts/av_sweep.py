@@ -26,7 +26,9 @@ each just behind the cell it replays -- run side by side, one round of each engi
 its own calls only: the host's drift (target-only tokens/s moved by 6% between cells minutes apart) hits every
 setting alike, where cells run one after another (``--no-lockstep``) it did not. Cells where that ratio is within
 ``--close-margin`` of 1
-are re-run ``--repeats-close`` times in total (AV and the reference) and reported as median and spread. A looping
+are re-run ``--repeats-close`` times in total (AV and the reference) and reported as median and spread. Each AV
+cell with a same-text replay also reports where its time over that replay went, by round kind (rounds off,
+probes, speculative rounds, joins: ``extra_over_same_text`` in the JSON, one line per cell on stdout). A looping
 workload (``--loop-prompt`` at T = 0.6) shows AV switching speculation on where drafts pay. Writes
 ``--out/sweep.json``, ``--out/table.md`` and ``--out/av_sweep.png`` (tokens/s vs batch size per setting).
 Run nothing else on the machine meanwhile: two torch processes on two cores slow each other about tenfold.
@@ -348,7 +350,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--draft", default="eagle")
-    ap.add_argument("--datasets", nargs="+", default=["aime24", "math500"])
+    ap.add_argument("--datasets", nargs="*", default=["aime24", "math500"],
+                    help="prompt sets (none: only the looping prompt)")
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 8, 16, 32])
     ap.add_argument("--fixed-l", nargs="*", type=int, default=[1, 2, 3, 5, 7],
                     help="fixed draft lengths to compare (none: AV against target-only only)")
@@ -531,6 +534,8 @@ def main() -> int:
     (out / "sweep.json").write_text(json.dumps({"config": vars(args), "machine": machine, "rows": rows,
                                                 "summary": summary, "loop": loop_rows}, indent=2))
     print(md)
+    if not args.datasets:
+        return 0  # the looping prompt only: no tokens/s-vs-batch curve to draw
     try:
         import matplotlib
 
