@@ -27,14 +27,15 @@ never pays spends at most about one round in ``probe_interval_max`` probing); on
 deferred catch-up, draft step and extra verified tokens, over a plain round) has been measured, the wait is at
 least what keeps probes within ``probe_share`` of the plain rounds' time (up to 16x ``probe_interval_max``; at
 batch 32 on 2 cores a probe costs about 2 plain rounds, so 1% means about 200 rounds: probing every 64 rounds
-cost 5% of the decode time); a round that speculates resets it to ``probe_interval``. The first round of an engine (no ``B*`` yet) is a probe too (the opening probe: it does not double the
-wait). At a batch above ``probe_rows`` a probe verifies a rotating subset of that many requests' drafts; every
-request drafts (the next ``B*`` ranks every request's position-1 survival), the rest decode plainly. A probe's
-EAGLE head reads at most ``probe_window`` deferred pairs per request (a scratch context rolled back after the
-round, :attr:`~specadapt.engine.drafts.Draft.probe_window`), so its cost no longer grows with its wait; the
-deferred catch-up is then paid when speculation resumes, which therefore takes ``resume_probes`` probes in a row
-choosing ``B* > 0`` (the confirming ones ``probe_interval`` rounds apart). Whether a round is off or a probe depends only on earlier rounds, never on this round's drafted tokens
-(the exactness condition above).
+cost 5% of the decode time); a round that speculates resets it to ``probe_interval``. The first round of an engine
+(no ``B*`` yet) is a probe too (the opening probe: it does not double the wait). At a batch above ``probe_rows`` a
+probe verifies a rotating subset of that many requests' drafts; every request drafts (the next ``B*`` ranks every
+request's position-1 survival), the rest decode plainly. A probe's EAGLE head reads at most ``probe_window``
+deferred pairs per request (a scratch context rolled back after the round,
+:attr:`~specadapt.engine.drafts.Draft.probe_window`), so its cost no longer grows with its wait; the deferred
+catch-up is then paid when speculation resumes, which therefore takes ``resume_probes`` probes in a row choosing
+``B* > 0`` (the confirming ones ``probe_interval`` rounds apart). Whether a round is off or a probe depends only on
+earlier rounds, never on this round's drafted tokens (the exactness condition above).
 """
 
 from __future__ import annotations
