@@ -295,6 +295,43 @@ def test_speculation_resumes_only_after_resume_probes_in_a_row(tiny_target):
     assert outcomes == [False, False, False, True], outcomes
 
 
+def _probe(av, positive, batch=2):
+    """Plan one probe round by hand: B* > 0 under a flat cost, 0 under a steep one."""
+    av.stale_budget = 0 if av.stale_budget is not None else None
+    av._probing, av._round_limit = True, 1
+    av.costs = FLAT if positive else STEEP
+    av.plan_features(torch.full((batch, 1), 3.0), torch.ones(batch, dtype=torch.int64))
+
+
+def test_the_round_a_probe_resumes_in_does_not_teach_the_overhead():
+    """The first speculative round after a probe resumed speculation feeds every request's deferred backlog to the
+    head (seconds at batch 32): its measured time is recorded but not learnt as the per-round overhead of
+    speculation (that would price every later B > 0 out); the round after it is learnt."""
+    av = _av(2, FLAT, online_overhead=True, resume_probes=1)
+    av.stale_budget = 0
+    _probe(av, True)
+    av.record_round_time(0.5)  # the probe round itself: not learnt either
+    assert av.stale_budget > 0 and av.overhead_ms["on"] is None
+    for measured in (2000.0, 3.0):  # the resumed round (the backlog), then a steady one
+        av.round_draft_limit()
+        av.plan_features(torch.full((2, 2), 3.0), torch.full((2,), 2, dtype=torch.int64))
+        av.record_round_time(measured)
+    assert av.overhead_ms["on"] is not None and av.overhead_ms["on"] < 10.0, av.overhead_ms
+    assert len(av.cost_samples) == 3  # every round is still recorded for the cost model's report
+
+
+def test_a_held_probe_that_is_not_confirmed_keeps_the_earlier_backoff():
+    """A probe choosing B* > 0 that is held (resume_probes = 2) shortens the wait to probe_interval for its
+    confirming probe; when that one chooses B* = 0 the backoff goes on from the wait before the hold."""
+    av = _av(2, FLAT, resume_probes=2, probe_interval=4, probe_interval_max=64)
+    av.stale_budget = 0
+    av._probe_wait = 32
+    _probe(av, True)
+    assert av.stale_budget == 0 and av._probe_wait == 4
+    _probe(av, False)
+    assert av._probe_wait == 64  # doubled from 32, not from 4
+
+
 def _drive_eagle(target, draft, histories, schedule, seed=0):
     """:func:`_drive_eagle_rows` with one schedule for every row; returns the q rows of the drafting rounds only."""
     per_row = [torch.tensor(schedule)] * len(histories)
@@ -345,26 +382,27 @@ def _drive_eagle_rows(target, draft, histories, per_row, seed=0, windows=None):
 
 
 def test_a_windowed_probe_is_rolled_back_and_the_resumed_catch_up_stays_exact(tiny_target):
-    """A probe round with ``probe_window`` = 2 after 6 rounds off drafts from the newest 2 pending pairs only (its
-    q rows differ from a full catch-up's), then rolls back: the rounds after it, drafting again with the whole
-    queue fed, give the q rows of a run whose probe caught up everything. A window that holds the whole queue
-    is the full catch-up."""
+    """A probe round (two drafts deep) with ``probe_window`` = 2: rows 0 and 2, off for 6 rounds, draft from their
+    newest 2 pending pairs only (their q rows differ from a full catch-up's); row 1, which drafted every round,
+    has 1 pending pair and is caught up for good. After rolling back the scratch entries (the window and the draft
+    step), the rounds that draft again with the whole queue fed give the q rows of a run whose probe caught up
+    everything. A window that holds the whole queue is the full catch-up."""
     histories = [[3, 1, 4, 1, 5], [2, 7, 1], [9, 9, 9, 9, 9, 9, 9]]
-    schedule = [1, 0, 0, 0, 0, 0, 0, 1, 0, 0, 1, 1]
-    probe = 7
+    off = [1, 0, 0, 0, 0, 0, 0, 2, 0, 0, 1, 1]
+    every = [1, 1, 1, 1, 1, 1, 1, 2, 0, 0, 1, 1]
+    per_row = [torch.tensor(off), torch.tensor(every), torch.tensor(off)]
+    probe, later = 7, (10, 11)
     reference = eagle(tiny_target, SamplingParams(1.0))
-    exact = _drive_eagle(tiny_target, reference, histories, schedule)
+    exact = _drive_eagle_rows(tiny_target, reference, histories, per_row)
     for window, same_probe in ((2, False), (64, True)):
-        windows = [window if i == probe else None for i in range(len(schedule))]
+        windows = [window if i == probe else None for i in range(len(off))]
         draft = eagle(tiny_target, SamplingParams(1.0))
-        got = [q for q, limit in zip(_drive_eagle_rows(tiny_target, draft, histories,
-                                                       [torch.tensor(schedule)] * 3, windows=windows), schedule)
-               if limit]
+        got = _drive_eagle_rows(tiny_target, draft, histories, per_row, windows=windows)
         assert draft._scratch is None and draft.kv.lengths.tolist() == reference.kv.lengths.tolist()
-        probe_close = torch.allclose(got[1], exact[1], atol=1e-5, rtol=1e-5)
-        assert probe_close == same_probe, f"window {window}: the probe's q rows should {'' if same_probe else 'not '}match"
-        for j in (2, 3):  # speculation resumed: the exact catch-up of every pair
-            torch.testing.assert_close(got[j], exact[j], atol=1e-5, rtol=1e-5)
+        close = [torch.allclose(got[probe][r], exact[probe][r], atol=1e-5, rtol=1e-5) for r in range(3)]
+        assert close == [same_probe, True, same_probe], f"window {window}: {close}"  # row 1 was caught up
+        for i in later:  # speculation resumed: the exact catch-up of every pair
+            torch.testing.assert_close(got[i], exact[i], atol=1e-5, rtol=1e-5)
 
 
 def test_a_windowed_probe_drafts_at_the_true_positions(tiny_target, monkeypatch):
@@ -432,7 +470,8 @@ def test_adaptive_gbv_greedy_equals_target_only(tiny_target, costs, which):
     expected = [naive_greedy(tiny_target.model, p, n) for p in prompts]
     draft = (eagle(tiny_target, subset=torch.arange(0, 32, 2)) if which.startswith("eagle")
              else ModelDraft(self_draft(tiny_target, 1), GREEDY, 0, "self:1"))
-    av = _av(L, costs, probe_window=1 if which == "eagle-window-1" else 32)
+    window = which == "eagle-window-1"  # probes two drafts deep: GBV's paths step from the scratch window
+    av = _av(L, costs, probe_window=1 if window else 32, probe_depth=2 if window else 1)
     engine = SpeculativeEngine(tiny_target, draft, GREEDY, L, "gbv", num_paths=2, adaptive=av)
     results = engine.generate(prompts, n, batch_size=3)
     assert [r.output_ids for r in results] == expected

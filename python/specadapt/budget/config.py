@@ -39,7 +39,7 @@ class AVConfig:
             verified row adds about 2 ms to the probe's target forward.
         resume_probes: probes in a row that must choose ``B* > 0`` before speculation resumes after a switch-off
             (the opening probe included); a probe that would resume earlier keeps speculation off and the next
-            probe comes ``probe_interval`` rounds later. Resuming pays every request's deferred catch-up at once
+            probe comes after ``probe_interval`` rounds off. Resuming pays every request's deferred catch-up at once
             (~35 us a pair: at batch 32 after ~1,000 rounds off, a 1.9 s round), so one noisy probe should not
             trigger it; a text that turned predictable passes several probes in a row.
         online_overhead: learn the ms a round costs beyond the cost table's forwards from measured rounds.
@@ -81,7 +81,8 @@ class AVConfig:
     resume_probes: int = setting(2, flag="--av-resume-probes", fronts=("engine",),
                                  help="probes in a row that must find speculation pays before it resumes after a "
                                       "switch-off (resuming pays the deferred catch-up of every request at once); "
-                                      "the confirming probes come --av-probe-interval rounds apart")
+                                      "the opening probe counts as the first; each confirming probe comes after "
+                                      "--av-probe-interval rounds off")
     online_overhead: bool = setting(True)
     overhead_weight: float = setting(0.1)
     max_cost_samples: int = setting(100_000)
