@@ -303,23 +303,6 @@ def _probe(av, positive, batch=2):
     av.plan_features(torch.full((batch, 1), 3.0), torch.ones(batch, dtype=torch.int64))
 
 
-def test_the_round_a_probe_resumes_in_does_not_teach_the_overhead():
-    """The first speculative round after a probe resumed speculation feeds every request's deferred backlog to the
-    head (seconds at batch 32): its measured time is recorded but not learnt as the per-round overhead of
-    speculation (that would price every later B > 0 out); the round after it is learnt."""
-    av = _av(2, FLAT, online_overhead=True, resume_probes=1)
-    av.stale_budget = 0
-    _probe(av, True)
-    av.record_round_time(0.5)  # the probe round itself: not learnt either
-    assert av.stale_budget > 0 and av.overhead_ms["on"] is None
-    for measured in (2000.0, 3.0):  # the resumed round (the backlog), then a steady one
-        av.round_draft_limit()
-        av.plan_features(torch.full((2, 2), 3.0), torch.full((2,), 2, dtype=torch.int64))
-        av.record_round_time(measured)
-    assert av.overhead_ms["on"] is not None and av.overhead_ms["on"] < 10.0, av.overhead_ms
-    assert len(av.cost_samples) == 3  # every round is still recorded for the cost model's report
-
-
 def test_a_held_probe_that_is_not_confirmed_keeps_the_earlier_backoff():
     """A probe choosing B* > 0 that is held (resume_probes = 2) shortens the wait to probe_interval for its
     confirming probe; when that one chooses B* = 0 the backoff goes on from the wait before the hold."""

@@ -116,7 +116,6 @@ class AdaptiveVerification:
     _probe_cursor: int = field(default=0, init=False)  # the first row the next probe verifies (probe_rows)
     _positive_probes: int = field(default=0, init=False)  # probes in a row that chose B* > 0 (resume_probes)
     _held_wait: int | None = field(default=None, init=False)  # the probe wait before a held probe shortened it
-    _resuming: bool = field(default=False, init=False)  # the last probe resumed speculation: the next round catches up
     # probe_share: the measured extra ms of a probe round over a plain one (average), and a plain round's ms
     _probe_excess_ms: float | None = field(default=None, init=False)
     _plain_round_ms: float | None = field(default=None, init=False)
@@ -317,11 +316,12 @@ class AdaptiveVerification:
         # a probe pays the deferred catch-up of every round it was off, the first round catches up the prompts
         # (and, without "auto", verifies all L): neither is a steady round, so neither teaches the overhead
         # (they are still recorded in cost_samples)
-        # nor does the round a probe resumed speculation in: it feeds every request's deferred backlog to the head
-        # (beyond the probe's window), ~2 s at batch 32 after 1,000 rounds off, which learnt as overhead would price
-        # every later B > 0 out
-        resuming, self._resuming = self._resuming, False
-        self._learn_round = not probing and not opening and not resuming
+        # The round a probe resumed speculation in (it feeds every request's backlog, ~1-2 s at batch 32 after
+        # 1,000 rounds off) IS learnt: it prices later B > 0 high, which switches a resume that did not pay off at
+        # once. Not learning it was measured (2026-12-06): the loop at batch 1 0.99x -> 1.03x target-only, but
+        # batch 32 0.97x -> 0.93x (19 unpaid speculative rounds a cell instead of 2); kept until resumes are
+        # costed per request.
+        self._learn_round = not probing and not opening
         if self.budget_from_verified:
             # draft_caps' features / proposed depths when early stop ran this round; else the proposal's own
             known = self._round_features if self._round_features is not None else features
@@ -358,7 +358,6 @@ class AdaptiveVerification:
             self._probe_wait = self.config.probe_interval  # speculation ran: a later switch-off probes early again
         if self.stale_budget > 0:
             self._held_wait = None
-        self._resuming = probing and self.stale_budget > 0
         self._probing = False
         self._round_limit = None
         self.pruned += int((num_drafts - num_verify).sum())
