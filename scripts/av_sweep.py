@@ -145,8 +145,6 @@ class CellRun:
             if not self.running:
                 self.done = self.source.done
                 return
-        av = self.adaptive
-        off_before, probes_before = (av.rounds_off, av.probe_rounds) if av is not None else (0, 0)
         t0 = time.perf_counter()
         events = self.engine.step()
         elapsed = time.perf_counter() - t0
@@ -155,9 +153,8 @@ class CellRun:
         self.row_rounds += len(events)
         tokens = sum(len(tokens) for _, tokens, _ in events)
         self.emitted += tokens
-        if av is not None:
-            kind = ("off" if av.rounds_off > off_before else "probe" if av.probe_rounds > probes_before else "on")
-            self._count(kind, elapsed, tokens)
+        if self.adaptive is not None:
+            self._count(self.adaptive.round_kind, elapsed, tokens)
         done = sum(1 for _, _, d in events if d)
         self.finished += done
         if done:
@@ -213,10 +210,18 @@ def extra_over_same_text(cell, replay):
     return out
 
 
+def _label(cells, dataset):
+    """Mark ``cells`` with their dataset and print each AV cell's time over its replay by round kind."""
+    for cell in cells:
+        cell["dataset"] = dataset
+        if "extra_over_same_text" in cell:
+            _print_extra(cell)
+
+
 def _print_extra(cell):
     parts = [f"{kind} {e['rounds']}x {e['ms_each']:.1f} ms, {100 * e['share']:+.2f}%"
              for kind, e in cell["extra_over_same_text"].items() if isinstance(e, dict) and e["rounds"]]
-    print(f"  {cell.get('dataset', '')} batch {cell['batch_size']} {cell['setting']}: speedup on its text "
+    print(f"  {cell['dataset']} batch {cell['batch_size']} {cell['setting']}: speedup on its text "
           f"{cell['speedup_same_text']:.3f}; over the replay by round kind: " + "; ".join(parts), flush=True)
 
 
@@ -332,7 +337,6 @@ def measure_lockstep(target, sampling, chosen, costs, prompts, batch, args):
                         speedup_same_text=cell["tokens_per_s"] / again["tokens_per_s"])
             if "time_by_kind" in cell:
                 cell["extra_over_same_text"] = extra_over_same_text(cell, again)
-                _print_extra(cell)
         elif L == 0:
             cell["speedup_same_text"] = 1.0
         cells.append(cell)
@@ -425,14 +429,13 @@ def main() -> int:
             cells = []
             if args.lockstep:
                 cells = measure_lockstep(target, sampling, settings, costs_by_batch[batch], prompts, batch, args)
-                for cell in cells:
-                    cell["dataset"] = dataset
+                _label(cells, dataset)
                 bar.update(len(cells))
                 bar.set_postfix(dataset=dataset, batch=batch, av_tps=f"{cells[-1]['tokens_per_s']:.1f}")
             for name, L, adaptive in settings if not args.lockstep else []:
                 cell = measure(target, draft, sampling, name, L, costs_by_batch[batch] if adaptive else None,
                                prompts, batch, args)
-                cell["dataset"] = dataset
+                _label([cell], dataset)
                 cells.append(cell)
                 bar.update(1)
                 bar.set_postfix(dataset=dataset, batch=batch, setting=name, tps=f"{cell['tokens_per_s']:.1f}")
@@ -467,6 +470,7 @@ def main() -> int:
                         if args.same_text:
                             same_ref = ref if same_spec == ref_spec else measure(
                                 target, draft, sampling, same_spec[0], same_spec[1], None, prompts, batch, args)
+                    _label([again], dataset)
                     ratios.append(again["tokens_per_s"] / ref["tokens_per_s"])
                     if args.same_text:
                         same_ratios.append(again["speedup_same_text"] / same_ref["speedup_same_text"])
@@ -497,9 +501,8 @@ def main() -> int:
                 cells = [measure(target, loop_draft, loop_sampling, name, L,
                                  costs_by_batch.get(batch) if adaptive else None, prompt, batch, args)
                          for name, L, adaptive in chosen]
-            for cell in cells:
-                cell["dataset"] = "loop"
-                loop_rows.append(cell)
+            _label(cells, "loop")
+            loop_rows.extend(cells)
     floor = (f"; weights {machine['weight_mb']:.0f} MB, one target step's weight floor "
              f"{machine['weight_floor_ms']:.2f} ms" if machine["weight_floor_ms"] else "")
     lines = [f"Machine: {machine['cpu']}, {machine['threads']} threads, torch {machine['torch']}, "

@@ -79,8 +79,6 @@ def main() -> int:
             order = [("target-only", plain), (args.mode, other)]
             times, off_round = {}, True
             for name, engine in order if turn % 2 == 0 else order[::-1]:
-                off_before = adaptive.rounds_off if adaptive is not None else 0
-                probes_before = adaptive.probe_rounds if adaptive is not None else 0
                 start = time.perf_counter()
                 events = engine.step()
                 times[name] = (time.perf_counter() - start) * 1e3
@@ -88,10 +86,8 @@ def main() -> int:
                 round_ms[name] += times[name]
                 total_tokens[name] += len(events[0][1])
                 if engine is other:
-                    kind = "off"
-                    if adaptive is not None:
-                        off_round = adaptive.rounds_off > off_before  # a probe or speculative round: not compared
-                        kind = "off" if off_round else ("probe" if adaptive.probe_rounds > probes_before else "on")
+                    kind = "off" if adaptive is None else adaptive.round_kind
+                    off_round = kind == "off"  # a probe or speculative round is not compared
                     kinds[kind][0] += times[name]
                     kinds[kind][1] += 1
                     kinds[kind][2] += len(events[0][1])

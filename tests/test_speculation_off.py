@@ -295,6 +295,27 @@ def test_speculation_resumes_only_after_resume_probes_in_a_row(tiny_target):
     assert outcomes == [False, False, False, True], outcomes
 
 
+def test_round_kind_names_each_round_as_the_schedule_made_it(tiny_target):
+    """``round_kind`` (what benchmarks split time by) follows the schedule of
+    ``test_speculation_resumes_only_after_resume_probes_in_a_row``: probe, off, off, probe, then on."""
+    av = _av(3, FLAT, probe_interval=2, resume_probes=2)
+    kinds = []
+    original = av.round_draft_limit
+
+    def limit():
+        out = original()
+        kinds.append(av.round_kind)
+        return out
+
+    av.round_draft_limit = limit
+    assert av.round_kind is None
+    draft = ModelDraft(self_draft(tiny_target, 1), GREEDY, 0, "self:1")
+    SpeculativeEngine(tiny_target, draft, GREEDY, 3, "chain", adaptive=av).generate(
+        [p for p in PROMPTS if len(p) > 1], 24, batch_size=4)
+    assert kinds[:5] == ["probe", "off", "off", "probe", "on"], kinds
+    assert kinds.count("probe") == av.probe_rounds and kinds.count("off") == av.rounds_off
+
+
 def _probe(av, positive, batch=2):
     """Plan one probe round by hand: B* > 0 under a flat cost, 0 under a steep one."""
     av.stale_budget = 0 if av.stale_budget is not None else None

@@ -81,6 +81,8 @@ class AdaptiveVerification:
             verified; otherwise it verifies every draft).
         pruned, verified: counters of draft tokens pruned / verified so far.
         rounds_off, probe_rounds: counters of rounds with speculation off / probe rounds so far.
+        round_kind: what :meth:`round_draft_limit` made of the latest round: ``"off"``, ``"probe"`` (the opening
+            probe included) or ``"on"`` (``None`` before the first round); benchmarks split time by it.
         cost_samples: ``(table_ms, measured_ms, calibrated_ms)`` of recent rounds (:meth:`record_round_time`; at
             most ``config.max_cost_samples`` kept): the cost table's prediction, the measured wall time, and the
             prediction with the learnt overhead, to check the cost model against the rounds it chose.
@@ -107,6 +109,7 @@ class AdaptiveVerification:
     rounds: int = field(default=0, init=False)
     rounds_off: int = field(default=0, init=False)
     probe_rounds: int = field(default=0, init=False)
+    round_kind: str | None = field(default=None, init=False)
     cost_samples: list = field(default_factory=list, init=False)
     overhead_ms: dict = field(default_factory=lambda: {"on": None, "off": None}, init=False)
     _plan_refits: int = field(default=0, init=False)
@@ -173,19 +176,23 @@ class AdaptiveVerification:
             self._off_streak = 0
             self._probing = True
             self.probe_rounds += 1
+            self.round_kind = "probe"
             self._round_limit = self.config.probe_depth
             return self._round_limit
         if not self.speculation_off:
             self._off_streak = 0
+            self.round_kind = "on"
             return None
         self._off_streak += 1
         if self._off_streak > self._probe_wait:
             self._off_streak = 0
             self._probing = True
             self.probe_rounds += 1
+            self.round_kind = "probe"
             self._round_limit = self.config.probe_depth
         else:
             self.rounds_off += 1
+            self.round_kind = "off"
             self._round_limit = 0
         return self._round_limit
 

@@ -30,9 +30,9 @@ class AVConfig:
             request with more drafts from a scratch context of its newest ``probe_window`` pairs (at their true
             positions), rolled back after the round, and its whole queue is fed exactly when speculation resumes;
             0 feeds the whole queue at the probe. Without it a probe's catch-up grows with the rounds it waited
-            (at batch 16 on 2 cores, ~35 us a pair: 83 ms a probe after ~250 rounds off), and the exact catch-up
-            of every pair costs about the head's share of the target's FLOPs (~1.4%) whether or not speculation
-            ever resumes.
+            (batch 16, 2 cores: an up-to-255-pair catch-up took 83 ms of a 130 ms probe), and the exact catch-up
+            of every pair costs about the head's share of the target's FLOPs (~1.4%, estimated from parameter
+            counts) whether or not speculation ever resumes.
         probe_rows: the most requests a probe round verifies (0: all): every request drafts, so the next ``B*``
             sees each one's position-1 feature, but only a rotating subset of this many verifies its draft (the
             estimator learns from those); the rest decode plainly in the same forward. At batch 32 on 2 cores each
@@ -40,8 +40,8 @@ class AVConfig:
         resume_probes: probes in a row that must choose ``B* > 0`` before speculation resumes after a switch-off
             (the opening probe included); a probe that would resume earlier keeps speculation off and the next
             probe comes after ``probe_interval`` rounds off. Resuming pays every request's deferred catch-up at once
-            (~35 us a pair: at batch 32 after ~1,000 rounds off, a 1.9 s round), so one noisy probe should not
-            trigger it; a text that turned predictable passes several probes in a row.
+            (measured at batch 32 after ~1,000 rounds off: 1.9-2.2 s rounds against 80-85 ms plain), so one
+            noisy probe should not trigger it; a text that turned predictable passes several probes in a row.
         online_overhead: learn the ms a round costs beyond the cost table's forwards from measured rounds.
         overhead_weight: weight of the newest residual in that exponential average.
         max_cost_samples: most ``(predicted, measured, calibrated)`` round times kept for the cost-model report.
