@@ -55,6 +55,7 @@ sys.path.insert(0, str(ROOT / "python"))
 
 from specadapt.bench.forward import measure_machine  # noqa: E402
 from specadapt.budget import CostTable  # noqa: E402
+from specadapt.budget.config import AVConfig  # noqa: E402
 from specadapt.cli.engine_args import _tokenize, load_target_and_draft  # noqa: E402
 from specadapt.datasets import load_prompts  # noqa: E402
 from specadapt.engine import NoDraft, SpeculativeEngine  # noqa: E402
@@ -260,17 +261,20 @@ def av_over_reference(cells):
     return reference, cells[-1]["tokens_per_s"] / reference["tokens_per_s"]
 
 
-def make_engine(target, draft, sampling, L, costs, refit, seed):
+def make_engine(target, draft, sampling, L, costs, refit, seed, av_config=None):
+    """A target-only engine (``L = 0``), a fixed-L engine, or (``costs`` given) an AV engine with ``av_config``
+    (default settings when ``None``)."""
     if L == 0:
         return SpeculativeEngine(target, NoDraft(), sampling, 0, "chain", seed=seed), None
     av = None
     if costs is not None:
-        av = AdaptiveVerification(AcceptanceEstimator(L, refit_interval=refit), costs)
+        av = AdaptiveVerification(AcceptanceEstimator(L, refit_interval=refit), costs,
+                                  AVConfig() if av_config is None else av_config)
     return SpeculativeEngine(target, draft, sampling, L, "chain", seed=seed, adaptive=av), av
 
 
 def measure(target, draft, sampling, name, L, costs, prompts, batch, args):
-    engine, av = make_engine(target, draft, sampling, L, costs, args.refit_interval, args.seed)
+    engine, av = make_engine(target, draft, sampling, L, costs, args.refit_interval, args.seed, args.av_config)
     cell = run_cell(engine, prompts, batch, max(args.cell_tokens * batch, args.min_cell_tokens), args.max_new_tokens,
                     args.seed)
     texts = cell.pop("texts")
@@ -313,7 +317,7 @@ def measure_lockstep(target, sampling, chosen, costs, prompts, batch, args):
                 _LOCKSTEP_DRAFTS[key] = build_draft(args.draft, target, sampling, args.seed, dtype=dtype)
             draft = _LOCKSTEP_DRAFTS[key]
         engine, av = make_engine(target, draft, sampling, L, costs if adaptive else None, args.refit_interval,
-                                 args.seed)
+                                 args.seed, args.av_config)
         run = CellRun(engine, prompts, batch, budget, args.max_new_tokens, args.seed)
         runs.append(run)
         replay = None
@@ -350,6 +354,25 @@ def av_over_reference_same_text(cells):
     return reference, cells[-1]["speedup_same_text"] / reference["speedup_same_text"]
 
 
+def parse_av_settings(ap, pairs: list[str]) -> AVConfig:
+    """``AVConfig`` with ``FIELD=VALUE`` overrides (``--av-set``; each value converted to the field's default's
+    type); a bad pair is an argparse error naming it."""
+    defaults, overrides = AVConfig(), {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not hasattr(defaults, name) or name == "estimator":
+            ap.error(f"--av-set: {pair!r} is not FIELD=VALUE with FIELD an AVConfig setting")
+        kind = type(getattr(defaults, name))
+        try:
+            overrides[name] = (value.lower() in ("1", "true", "yes")) if kind is bool else kind(value)
+        except ValueError:
+            ap.error(f"--av-set: {pair!r}: {value!r} is not a {kind.__name__}")
+    try:
+        return AVConfig(**overrides)
+    except ValueError as exc:
+        ap.error(f"--av-set: {exc}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -383,8 +406,11 @@ def main() -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--forward", default="auto")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--av-set", nargs="*", default=[], metavar="FIELD=VALUE",
+                    help="AV settings other than the defaults (AVConfig fields, e.g. catch_up=all resume_probes=1)")
     ap.add_argument("--out", default="results/av_sweep")
     args = ap.parse_args()
+    args.av_config = parse_av_settings(ap, args.av_set)
     if args.cell_tokens < 1 or args.min_cell_tokens < 0:
         ap.error("--cell-tokens must be >= 1 and --min-cell-tokens >= 0")
     for flag in ("batch_sizes", "fixed_l"):
@@ -534,7 +560,8 @@ def main() -> int:
                      f"{same_ref} | {same} | {same_runs} | {100 * e['rounds_off_share']:.0f}% |")
     md = "\n".join(lines)
     (out / "table.md").write_text(md + "\n")
-    (out / "sweep.json").write_text(json.dumps({"config": vars(args), "machine": machine, "rows": rows,
+    config = {k: v for k, v in vars(args).items() if k != "av_config"}
+    (out / "sweep.json").write_text(json.dumps({"config": config, "machine": machine, "rows": rows,
                                                 "summary": summary, "loop": loop_rows}, indent=2))
     print(md)
     if not args.datasets:

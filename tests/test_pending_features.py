@@ -75,16 +75,19 @@ def test_queues_match_a_per_row_list_model(initial, ops):
                     model[r] = []
         elif kind == "peek" and batch:
             # a probe's scratch read of the newest `window` pairs (left queued), then the rows that fit dropped
+            # (bit 10: one window per row, as a speculative round's rows outside the budget and inside it read)
             rows = torch.tensor([(arg >> r) & 1 == 1 for r in range(batch)])
-            window = 1 + (arg >> 8) % 4
-            got, counts = store.peek(rows, window)
+            per_row = (arg >> 10) & 1 == 1
+            windows = ([1 + (arg >> (11 + 2 * r)) % 4 for r in range(batch)] if per_row
+                       else [1 + (arg >> 8) % 4] * batch)
+            got, counts = store.peek(rows, torch.tensor(windows) if per_row else windows[0])
             for r in range(batch):
-                want = model[r][-window:] if rows[r] else []
+                want = model[r][-windows[r]:] if rows[r] else []
                 assert int(counts[r]) == len(want)
                 for j, v in enumerate(want):
                     assert torch.equal(got[r, j], v)
             if flag:
-                fits = rows & torch.tensor([len(q) <= window for q in model])
+                fits = rows & torch.tensor([len(q) <= w for q, w in zip(model, windows)])
                 store.drop(fits)
                 model = [[] if bool(fits[r]) else q for r, q in enumerate(model)]
         elif kind == "select" and batch:
@@ -130,5 +133,9 @@ def test_bad_shapes_are_refused_by_name():
         store.append_one(torch.zeros(3, 1, F))  # 3 rows for a batch of 2
     with pytest.raises(ValueError, match="window"):
         store.peek(torch.ones(2, dtype=torch.bool), 0)
+    with pytest.raises(ValueError, match="window"):
+        store.peek(torch.ones(2, dtype=torch.bool), torch.tensor([3, 0]))
+    with pytest.raises(ValueError, match="window"):
+        store.peek(torch.ones(2, dtype=torch.bool), torch.tensor([3, 2, 1]))
     with pytest.raises(ValueError, match="rows"):
         store.peek(torch.ones(3, dtype=torch.bool), 2)

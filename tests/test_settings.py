@@ -22,7 +22,8 @@ CONFIGS = (AVConfig, TTSConfig)
 #: settings the SGLang plugin has no flag for (it has no per-request adapters / supervision choices, and its
 #: draft graph always runs: no early stop, no speculation-off probes)
 ENGINE_ONLY = {"scope", "supervise", "rounds", "early_stop", "probe_interval", "probe_interval_max", "probe_share",
-               "probe_window", "probe_rows", "resume_probes"}
+               "probe_window", "probe_rows", "resume_probes", "catch_up",
+               "probe_pairs"}
 
 
 def _engine_parser(command):

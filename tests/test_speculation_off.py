@@ -361,11 +361,12 @@ def test_deferred_eagle_catch_up_gives_the_q_rows_of_per_round_catch_up(tiny_tar
     torch.testing.assert_close(c[-1], a4[-1], atol=1e-5, rtol=1e-5)
 
 
-def _drive_eagle_rows(target, draft, histories, per_row, seed=0, windows=None):
+def _drive_eagle_rows(target, draft, histories, per_row, seed=0, windows=None, catch_up=None):
     """Feed ``draft`` round by round as the engine does, with random target features; ``per_row[r][i]`` is the
     max drafts of row r in round i (0 defers its catch-up); ``windows[i]``: the round's ``probe_window`` (as the
-    engine sets it on a probe round). Returns the q rows of position 1 of every round (``None`` for a round in
-    which no row drafted)."""
+    engine sets it on a probe round); ``catch_up[i]``: the round's ``catch_up_rows`` (``[B]`` bool or ``None``,
+    as the engine sets it on a speculative round). Returns the q rows of position 1 of every round (``None`` for
+    a round in which no row drafted)."""
     gen = torch.Generator().manual_seed(seed)
     hidden3 = 3 * target.model.config.hidden_size
     draft.context_capacity = 256
@@ -376,6 +377,7 @@ def _drive_eagle_rows(target, draft, histories, per_row, seed=0, windows=None):
     for i in range(len(per_row[0])):
         limits = torch.tensor([int(s[i]) for s in per_row])
         draft.probe_window = None if windows is None else windows[i]
+        draft.catch_up_rows = None if catch_up is None else catch_up[i]
         proposal = draft.propose(histories, limits, target.vocab_size)
         rows.append(proposal.probs[:, 0].clone() if proposal.probs.shape[1] else None)
         draft.observe_target(torch.randn(len(histories), 1, hidden3, generator=gen))  # slot 0's features
@@ -409,6 +411,34 @@ def test_a_windowed_probe_is_rolled_back_and_the_resumed_catch_up_stays_exact(ti
             torch.testing.assert_close(got[i], exact[i], atol=1e-5, rtol=1e-5)
 
 
+def test_speculative_rounds_catch_up_only_the_rows_the_budget_ranked_in(tiny_target):
+    """``catch_up = "budget"``: after 6 rounds off, speculative rounds (two drafts deep) with a window of 2 feed
+    the whole queue of the rows in ``catch_up_rows`` only (their q rows are those of a run that caught up every
+    round); a row outside it with more pending pairs than the window drafts from a scratch window (other q rows)
+    and keeps its queue, fed exactly in the first round that names it; a row whose queue fits the window (row 1,
+    which drafted every round) is caught up whatever it is named. The head's cache ends where the exact run's
+    does."""
+    histories = [[3, 1, 4, 1, 5], [2, 7, 1], [9, 9, 9, 9, 9, 9, 9], [5, 6, 7, 8]]
+    off = [1, 0, 0, 0, 0, 0, 0, 2, 2, 2, 1]
+    every = [1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 1]
+    per_row = [torch.tensor(off), torch.tensor(every), torch.tensor(off), torch.tensor(off)]
+    T, F = True, False
+    named = {7: [T, F, F, F], 8: [T, F, T, F], 9: [T, F, T, T], 10: [F, F, F, F]}
+    windows = [2 if i in named else None for i in range(len(off))]
+    catch_up = [torch.tensor(named[i]) if i in named else None for i in range(len(off))]
+    exact = _drive_eagle_rows(tiny_target, eagle(tiny_target, SamplingParams(1.0)), histories, per_row)
+    draft = eagle(tiny_target, SamplingParams(1.0))
+    got = _drive_eagle_rows(tiny_target, draft, histories, per_row, windows=windows, catch_up=catch_up)
+    expected = {7: [T, T, F, F], 8: [T, T, T, F], 9: [T, T, T, T], 10: [T, T, T, T]}
+    for i, want in expected.items():
+        close = [torch.allclose(got[i][r], exact[i][r], atol=1e-5, rtol=1e-5) for r in range(4)]
+        assert close == want, f"round {i}: {close}"
+    assert draft._scratch is None and draft._pending.counts.tolist() == [1, 1, 1, 1]
+    with pytest.raises(ValueError, match="catch_up_rows"):
+        _drive_eagle_rows(tiny_target, eagle(tiny_target, SamplingParams(1.0)), histories, per_row,
+                          windows=windows, catch_up=[torch.ones(3, dtype=torch.bool)] * len(off))
+
+
 def test_a_windowed_probe_drafts_at_the_true_positions(tiny_target, monkeypatch):
     """The opening probe with ``probe_window`` = W on a long prompt (nothing caught up yet), two drafts deep: the
     head sees only the newest W pairs, at their true positions; rotary attention depends on relative positions
@@ -435,15 +465,20 @@ def test_a_windowed_probe_drafts_at_the_true_positions(tiny_target, monkeypatch)
     torch.testing.assert_close(probs[0], probs[1], atol=1e-5, rtol=1e-4)
 
 
-def test_a_windowed_probe_follows_the_target_law():
+@pytest.mark.parametrize("partial", [False, True])
+def test_a_windowed_probe_follows_the_target_law(partial):
     """4000 sampled requests on a tiny 8-token target with an EAGLE draft: the opening probe drafts from a scratch
     window of 1 pair (of 4 pending), then speculation resumes at full depth from the exact catch-up (flat cost):
-    the first two tokens follow the exact target law (chi-square)."""
+    the first two tokens follow the exact target law (chi-square). ``partial``: a cost table under which only
+    1,000 verified drafts a round pay, so the resumed rounds catch up only the requests the budget ranked in and
+    the others draft from the scratch window again (``catch_up = "budget"``)."""
     params = SamplingParams(1.0)
     model = tiny_llama(vocab=8, layers=2, seed=4, init_std=0.3)
     target = loaded(model)
     prompt = [1, 2, 3, 1, 2]
-    av = _av(2, FLAT, probe_window=1)
+    n_req = 4000
+    costs = CostTable(target_ms=[1.0] * (n_req + 1000) + [100.0], draft_ms=[0.0]) if partial else FLAT
+    av = _av(2, costs, probe_window=1)
     draft = eagle(target, params, seed=2)
     scratch_rounds = []
     original = draft._feed_pending
@@ -454,13 +489,16 @@ def test_a_windowed_probe_follows_the_target_law():
         return out
 
     draft._feed_pending = feed
-    n_req = 4000
     results = SpeculativeEngine(target, draft, params, 2, "chain", seed=3, adaptive=av).generate(
         [prompt] * n_req, 5, batch_size=n_req, seeds=list(range(n_req)))
-    assert scratch_rounds[0] and not any(scratch_rounds[1:]), scratch_rounds
+    assert scratch_rounds[0] and any(scratch_rounds[1:]) == partial, scratch_rounds
     assert av.probe_rounds == 1 and all(res.rounds[0].num_drafted == 1 for res in results)
     assert sum(res.rounds[0].accepted for res in results) > 0, "the probe must accept drafts or it proves little"
-    assert any(len(res.rounds) > 1 and res.rounds[1].num_drafted == 2 for res in results)
+    second = [res.rounds[1].num_drafted for res in results if len(res.rounds) > 1]
+    if partial:  # 1,000 slots: position 1 of 1,000 requests, the rest decode plainly in the same forward
+        assert sum(second) == 1000 and max(second) == 1, (sum(second), max(second))
+    else:
+        assert max(second) == 2
     assert_first_tokens_follow(results, _exact_joint(model, prompt, params, 2), n_req)
 
 
@@ -621,6 +659,89 @@ def test_eagle_with_speculation_off_and_probes_equals_target_only(tiny_target, r
     results = engine.generate(prompts, n, batch_size=3)
     assert [r.output_ids for r in results] == [naive_greedy(tiny_target.model, p, n) for p in prompts]
     assert av.rounds_off >= 2 and av.probe_rounds >= 1
+
+
+@pytest.mark.parametrize("rule", ["chain", "gbv"])
+def test_the_engine_catches_up_only_the_requests_its_budget_ranked_in(tiny_target, rule):
+    """``catch_up = "budget"`` through the engine: batch 6, a cost table under which at most 2 verified drafts a
+    round pay, a window of 2 pairs. Each speculative round names in ``catch_up_rows`` exactly the requests the
+    previous round's budget ranked in (:attr:`AdaptiveVerification.budget_rows`, followed across finished rows);
+    some rounds draft rows from a scratch window, some name only part of the batch; greedy output is
+    target-only's. ``probe_pairs`` = 6 shrinks the window to 1 pair while 4-6 requests run. ``catch_up = "all"``
+    names no row and sets no window on a speculative round."""
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 32, (n,), generator=gen).tolist() for n in (3, 5, 7, 9, 11, 12)]
+    kink = CostTable(target_ms=[1.0] * 8 + [50.0] * 200, draft_ms=[0.0])
+    n, L = 16, 3
+    for mode in ("budget", "all"):
+        av = _av(L, kink, probe_window=2, probe_pairs=6, catch_up=mode)
+        draft = eagle(tiny_target)
+        engine = SpeculativeEngine(tiny_target, draft, GREEDY, L, rule, num_paths=2 if rule == "gbv" else 1,
+                                   adaptive=av)
+        log, feed, step = [], draft._feed_pending, engine.step
+
+        def logged_feed(*args, **kwargs):
+            out = feed(*args, **kwargs)
+            named = None if draft.catch_up_rows is None else draft.catch_up_rows.tolist()
+            log.append(("feed", av.round_kind, [id(r.request) for r in engine._rows], named, draft.probe_window,
+                        draft._scratch is not None))
+            return out
+
+        def logged_step():
+            ids = [id(r.request) for r in engine._rows]
+            events = step()
+            log.append(("ranked", ids, None if av.budget_rows is None else av.budget_rows.tolist()))
+            return events
+
+        draft._feed_pending, engine.step = logged_feed, logged_step
+        results = engine.generate(prompts, n, batch_size=6)
+        assert [r.output_ids for r in results] == [naive_greedy(tiny_target.model, p, n) for p in prompts]
+        feeds = [e for e in log if e[0] == "feed" and e[1] == "on"]
+        assert feeds, "no speculative round"
+        if mode == "all":
+            assert all(named is None and window is None for _, _, _, named, window, _ in feeds)
+            continue
+        ranked, checked, partial = None, 0, False
+        for entry in log:
+            if entry[0] == "ranked":
+                ranked = dict(zip(entry[1], entry[2])) if entry[2] is not None else ranked
+            elif entry[1] == "on":
+                _, _, ids, named, window, _ = entry
+                assert window == min(2, max(6 // len(ids), 1))  # probe_pairs: 1 pair a row at batch 4-6
+                assert named == [ranked.get(i, True) for i in ids]
+                checked += 1
+                partial |= any(named) and not all(named)
+        assert checked == len(feeds) and partial
+        assert any(scratch for *_, scratch in feeds), "no speculative round drafted a row from a scratch window"
+
+
+def test_the_scratch_window_shrinks_to_probe_pairs_over_the_batch():
+    av = _av(2, FLAT, probe_window=32, probe_pairs=256)
+    assert [av.scratch_window(b) for b in (1, 8, 16, 32, 100, 1000)] == [32, 32, 16, 8, 2, 1]
+    assert _av(2, FLAT, probe_window=32, probe_pairs=0).scratch_window(32) == 32
+    assert _av(2, FLAT, probe_window=0).scratch_window(1) is None
+    with pytest.raises(ValueError, match="probe_pairs"):
+        AVConfig(probe_pairs=-1)
+
+
+def test_budget_rows_are_the_requests_holding_the_next_budget(tiny_target):
+    """:attr:`AdaptiveVerification.budget_rows` after :meth:`plan`: the requests with a slot among the top-B*
+    survivals (B* chosen in that plan), none when B* = 0; ``None`` again once the next round's limit is asked."""
+    kink = CostTable(target_ms=[1.0] * 6 + [50.0] * 200, draft_ms=[0.05])  # batch 4: 2 verified drafts can pay
+    av = _av(2, kink)
+    av.stale_budget = 4
+    assert av.round_draft_limit() is None and av.budget_rows is None
+    features = torch.tensor([[9.0, 9.0], [-9.0, -9.0], [-1.0, -1.0], [-9.0, -9.0]])  # row 0 holds both slots
+    av.plan_features(features, torch.full((4,), 2))
+    assert av.stale_budget == 2 and av.budget_rows.tolist() == [True, False, False, False]
+    features = torch.tensor([[9.0, 9.0], [-9.0, -9.0], [9.0, 9.0], [-9.0, -9.0]])  # position 1 of rows 0 and 2
+    av.round_draft_limit()
+    av.plan_features(features, torch.full((4,), 2))
+    assert av.stale_budget == 2 and av.budget_rows.tolist() == [True, False, True, False]
+    av.round_draft_limit()
+    av.plan_features(torch.full((4, 2), -30.0), torch.full((4,), 2))  # nothing survives: B* = 0
+    assert av.stale_budget == 0 and not av.budget_rows.any()
+    assert av.round_draft_limit() == 0 and av.budget_rows is None
 
 
 def test_draft_cost_by_depth_with_a_measured_first_position(tmp_path):

@@ -34,8 +34,10 @@ request's position-1 survival), the rest decode plainly. A probe's EAGLE head re
 deferred pairs per request (a scratch context rolled back after the round,
 :attr:`~specadapt.engine.drafts.Draft.probe_window`), so its cost no longer grows with its wait; the deferred
 catch-up is then paid when speculation resumes, which therefore takes ``resume_probes`` probes in a row choosing
-``B* > 0`` (the confirming ones ``probe_interval`` rounds apart). Whether a round is off or a probe depends only on
-earlier rounds, never on this round's drafted tokens (the exactness condition above).
+``B* > 0`` (the confirming ones ``probe_interval`` rounds apart), and with ``catch_up = "budget"`` only by the
+requests the previous round's budget ranked into its slots (:attr:`AdaptiveVerification.budget_rows`); the others
+draft from a scratch window, as in a probe, until a round ranks them in. Whether a round is off or a probe
+depends only on earlier rounds, never on this round's drafted tokens (the exactness condition above).
 """
 
 from __future__ import annotations
@@ -83,6 +85,10 @@ class AdaptiveVerification:
         rounds_off, probe_rounds: counters of rounds with speculation off / probe rounds so far.
         round_kind: what :meth:`round_draft_limit` made of the latest round: ``"off"``, ``"probe"`` (the opening
             probe included) or ``"on"`` (``None`` before the first round); benchmarks split time by it.
+        budget_rows: ``[B] bool`` set by :meth:`plan` (``None`` from :meth:`round_draft_limit` until then): the
+            requests of the round just planned that hold at least one of the top-``B*`` slots its survivals rank
+            for the next round (all ``False`` when ``B* = 0``). With ``config.catch_up = "budget"`` the engine
+            feeds the deferred catch-up of only these requests in the next speculative round.
         cost_samples: ``(table_ms, measured_ms, calibrated_ms)`` of recent rounds (:meth:`record_round_time`; at
             most ``config.max_cost_samples`` kept): the cost table's prediction, the measured wall time, and the
             prediction with the learnt overhead, to check the cost model against the rounds it chose.
@@ -110,6 +116,7 @@ class AdaptiveVerification:
     rounds_off: int = field(default=0, init=False)
     probe_rounds: int = field(default=0, init=False)
     round_kind: str | None = field(default=None, init=False)
+    budget_rows: torch.Tensor | None = field(default=None, init=False)
     cost_samples: list = field(default_factory=list, init=False)
     overhead_ms: dict = field(default_factory=lambda: {"on": None, "off": None}, init=False)
     _plan_refits: int = field(default=0, init=False)
@@ -169,6 +176,7 @@ class AdaptiveVerification:
         """
         self._probing = False
         self._round_limit = None
+        self.budget_rows = None
         if self.stale_budget is None and self.speculation == "auto" and self.prune:
             # the opening probe: no survival is known yet, so the first round drafts probe_depth per request
             # instead of all L (verifying everything up front cost 10x a plain step at batch 8 on the shipped
@@ -195,6 +203,17 @@ class AdaptiveVerification:
             self.round_kind = "off"
             self._round_limit = 0
         return self._round_limit
+
+    def scratch_window(self, batch: int) -> int | None:
+        """The most deferred pairs per request a scratch context reads in a round of ``batch`` requests:
+        ``probe_window``, shrunk to ``probe_pairs // batch`` (at least 1) when that is smaller; ``None`` without a
+        window (``probe_window = 0``: the whole queue is fed)."""
+        window = self.config.probe_window
+        if not window:
+            return None
+        if self.config.probe_pairs and batch > 0:
+            window = min(window, max(self.config.probe_pairs // batch, 1))
+        return window
 
     def record_round_time(self, measured_ms: float) -> None:
         """The measured wall time of the round :meth:`plan` just costed (the engine calls it after the round)."""
@@ -340,6 +359,11 @@ class AdaptiveVerification:
         self.stale_budget = choose_budget(surv, self.costs, draft_steps=steps,
                                           zero_is_off=self.speculation == "auto", overhead_ms=self._overhead("on"),
                                           overhead_off_ms=self._overhead("off"))
+        # the requests the next round's budget would verify (the same ranking with the same B*): with catch_up
+        # "budget" only they pay their deferred catch-up in it (set from this round's rows only: exact)
+        self.budget_rows = torch.zeros(num_drafts.shape[0], dtype=torch.bool)
+        if self.stale_budget > 0 and surv.shape[1] > 0:
+            self.budget_rows = (allocate_prefixes(surv, self.stale_budget) > 0) & (surv[:, 0] > 0)
         self._round_is_probe = probing and not opening
         if self._round_is_probe:  # what a plain round of this batch would cost: the probe's extra time is over it
             self._plain_round_ms = self.costs.verify_cost(num_drafts.shape[0]) + self._overhead("off")

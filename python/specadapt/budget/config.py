@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..estimator.config import EstimatorConfig
-from ..settings import nested, require, setting
+from ..settings import check_choices, nested, require, setting
 
 __all__ = ["AVConfig"]
 
@@ -33,15 +33,27 @@ class AVConfig:
             (batch 16, 2 cores: an up-to-255-pair catch-up took 83 ms of a 130 ms probe), and the exact catch-up
             of every pair costs about the head's share of the target's FLOPs (~1.4%, estimated from parameter
             counts) whether or not speculation ever resumes.
+        probe_pairs: the most deferred pairs a round's scratch contexts read over the whole batch: above
+            ``probe_pairs / probe_window`` requests the per-request window shrinks to ``probe_pairs // B`` (at
+            least 1; 0: no cap). A scratch context costs the head's forward over its pairs (about 60 ms for 32
+            requests x 32 pairs on 2 cores, nearly all of a batch-32 probe's extra time over a plain round).
         probe_rows: the most requests a probe round verifies (0: all): every request drafts, so the next ``B*``
             sees each one's position-1 feature, but only a rotating subset of this many verifies its draft (the
             estimator learns from those); the rest decode plainly in the same forward. At batch 32 on 2 cores each
             verified row adds about 2 ms to the probe's target forward.
         resume_probes: probes in a row that must choose ``B* > 0`` before speculation resumes after a switch-off
             (the opening probe included); a probe that would resume earlier keeps speculation off and the next
-            probe comes after ``probe_interval`` rounds off. Resuming pays every request's deferred catch-up at once
-            (measured at batch 32 after ~1,000 rounds off: 1.9-2.2 s rounds against 80-85 ms plain), so one
-            noisy probe should not trigger it; a text that turned predictable passes several probes in a row.
+            probe comes after ``probe_interval`` rounds off. Default 1: with ``catch_up = "budget"`` a resume pays
+            the backlog of the requests the budget verifies only (batch 32, 1,024-round cells: 162-197 ms resumed
+            rounds against 77-79 ms plain); 2 was the default while a resume paid every request's backlog (1.9-2.2
+            s), and it cost the looping prompt at batch 1 its speed-up (1.07x with 1, 0.98x with 2, one run each).
+        catch_up: which requests pay their deferred catch-up when speculation resumes. ``"budget"``: only those
+            the budget ranked into its top-``B*`` slots in the round before (the probe that resumed speculation,
+            then each speculative round); every other request with more than ``probe_window`` deferred pairs
+            drafts from a scratch window as in a probe and keeps its queue, fed exactly in the round after the
+            budget first ranks it in. ``"all"``: every request's whole queue is fed in the resuming round (at
+            batch 32 after ~1,000 rounds off, 1.9-2.2 s against 80-85 ms plain). Without ``probe_window`` (0) or
+            with Test-Time Speculation (which trains on the fed context) it is ``"all"``.
         online_overhead: learn the ms a round costs beyond the cost table's forwards from measured rounds.
         overhead_weight: weight of the newest residual in that exponential average.
         max_cost_samples: most ``(predicted, measured, calibrated)`` round times kept for the cost-model report.
@@ -75,14 +87,23 @@ class AVConfig:
                                      "pairs (a scratch context, rolled back; the whole queue is fed exactly when "
                                      "speculation resumes), so a probe's cost does not grow with the rounds it "
                                      "waited; 0: feed the whole queue at the probe")
+    probe_pairs: int = setting(256, flag="--av-probe-pairs", fronts=("engine",),
+                               help="the most deferred pairs the scratch contexts of a round read over the whole "
+                                    "batch: above N / --av-probe-window requests each request's window shrinks to "
+                                    "N // batch (0: no cap)")
     probe_rows: int = setting(8, flag="--av-probe-rows", fronts=("engine",),
                               help="the most requests a probe round verifies (a rotating subset; every request "
                                    "still drafts, so the budget sees each one's draft confidence); 0: all")
-    resume_probes: int = setting(2, flag="--av-resume-probes", fronts=("engine",),
+    resume_probes: int = setting(1, flag="--av-resume-probes", fronts=("engine",),
                                  help="probes in a row that must find speculation pays before it resumes after a "
-                                      "switch-off (resuming pays the deferred catch-up of every request at once); "
-                                      "the opening probe counts as the first; each confirming probe comes after "
+                                      "switch-off (with --av-catch-up all a resume pays every request's deferred "
+                                      "catch-up at once: 2 keeps one noisy probe from triggering it); the opening "
+                                      "probe counts as the first; each confirming probe comes after "
                                       "--av-probe-interval rounds off")
+    catch_up: str = setting("budget", flag="--av-catch-up", choices=("budget", "all"), fronts=("engine",),
+                            help="when speculation resumes, feed the deferred catch-up of only the requests the "
+                                 "budget verifies ('budget'; the others draft from a scratch window of "
+                                 "--av-probe-window pairs until it ranks them in) or of every request ('all')")
     online_overhead: bool = setting(True)
     overhead_weight: float = setting(0.1)
     max_cost_samples: int = setting(100_000)
@@ -99,7 +120,9 @@ class AVConfig:
         require(0 <= self.probe_share < 1, "probe_share", f"must lie in [0, 1), got {self.probe_share}")
         require(self.probe_depth >= 1, "probe_depth", f"must be >= 1, got {self.probe_depth}")
         require(self.probe_window >= 0, "probe_window", f"must be >= 0, got {self.probe_window}")
+        require(self.probe_pairs >= 0, "probe_pairs", f"must be >= 0, got {self.probe_pairs}")
         require(self.probe_rows >= 0, "probe_rows", f"must be >= 0, got {self.probe_rows}")
+        check_choices(self)
         require(self.resume_probes >= 1, "resume_probes", f"must be >= 1, got {self.resume_probes}")
         require(0 < self.overhead_weight <= 1, "overhead_weight", f"must lie in (0, 1], got {self.overhead_weight}")
         require(self.max_cost_samples >= 0, "max_cost_samples", f"must be >= 0, got {self.max_cost_samples}")

@@ -105,7 +105,14 @@ class Draft:
     #: drafts from a scratch context of the row's newest ``probe_window`` pairs at their true positions, rolled
     #: back at :meth:`commit`: the deferred pairs stay queued and are fed exactly when drafting resumes, so a
     #: probe no longer pays a catch-up that grows with the rounds it waited. Drafts that defer nothing ignore it.
+    #: With adaptive verification's ``catch_up = "budget"`` it is also set on speculative rounds, with
+    #: :attr:`catch_up_rows` naming the rows that feed their whole queue.
     probe_window: int | None = None
+
+    #: ``[B] bool`` or ``None``, set by the engine with :attr:`probe_window`: rows that feed their whole deferred
+    #: queue this round although a window is set (the requests the budget ranked in; ``None``: no row). The
+    #: other rows with more than ``probe_window`` deferred pairs draft from a scratch window.
+    catch_up_rows = None
 
     def target_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Features this draft takes from the target's ``hidden_states`` (only when ``needs_target_hidden``)."""

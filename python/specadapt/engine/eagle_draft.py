@@ -101,7 +101,9 @@ class EagleDraft(Draft):
     def _feed_pending(self, histories: list[list[int]], rows: torch.Tensor | None = None):
         """Feed the pending real pairs of ``rows`` (``[B]`` bool, default all; the other rows keep theirs: their
         catch-up is deferred to a later round, one chunk then); return ``(g [B, h], logits [B, Vd], has_context
-        [B] bool)`` (meaningful for the fed rows)."""
+        [B] bool)`` (meaningful for the fed rows). With :attr:`probe_window` set, a fed row outside
+        :attr:`catch_up_rows` with more pending pairs than the window reads only its newest ``probe_window``
+        (a scratch context, rolled back at :meth:`commit`)."""
         batch = len(histories)
         fed = torch.ones(batch, dtype=torch.bool) if rows is None else rows.cpu().to(torch.bool)
         self._scratch = None
@@ -110,8 +112,14 @@ class EagleDraft(Draft):
             feats, counts = None, torch.zeros(batch, dtype=torch.int64)
         elif window is None:
             feats, counts = self._pending.take(fed)
-        else:  # a probe: rows with more than `window` pending pairs draft from a scratch context (rolled back)
+        else:  # a probe, or a speculative round with catch_up "budget": rows with more than `window` pending
+            # pairs (not named in catch_up_rows) draft from a scratch context (rolled back at commit)
             have = self._pending.counts.clone()
+            if self.catch_up_rows is not None:  # these rows feed their whole queue (caught up for good)
+                exact = self.catch_up_rows.to("cpu", torch.bool)
+                if exact.shape[0] != batch:
+                    raise ValueError(f"catch_up_rows must have {batch} entries (one per row), got {exact.shape[0]}")
+                window = torch.where(exact, have.clamp_min(window), torch.full_like(have, window))
             feats, counts = self._pending.peek(fed, window)
             scratch = fed & (have > counts)
             self._pending.drop(fed & ~scratch)  # rows whose whole queue fits are caught up for good

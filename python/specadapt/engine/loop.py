@@ -113,6 +113,9 @@ class _Row:
     request: Request
     history: list[int]
     start: float
+    # adaptive verification (catch_up "budget"): the budget ranked this request in for the next round, so it
+    # feeds its whole deferred catch-up then (a request that just joined catches up its prompt)
+    catch_up: bool = True
 
 
 class SpeculativeEngine:
@@ -376,8 +379,9 @@ class SpeculativeEngine:
         if max(len(p) for p in prefix) > 0:
             ids, counts = pad_token_lists(prefix)
             out = self._kv.forward(ids, counts, logits_to_keep=1, return_outputs=True, **self._hidden_kwargs)
-            if self.draft.needs_target_hidden:
-                features = self.draft.target_features(out.hidden_states)[old:]
+            if self.draft.needs_target_hidden:  # the new rows' hidden states only (the running rows took none)
+                features = self.draft.target_features(tuple(None if h is None else h[old:]
+                                                             for h in out.hidden_states))
         seeds = torch.tensor([row.request.seed for row in new], dtype=torch.int64)
         self._row_seeds = torch.cat([self._row_seeds, seeds])
         if self._track_history:
@@ -506,6 +510,10 @@ class SpeculativeEngine:
             self._counts.append_(emitted_rows)
         if self.adaptive is not None:
             self.adaptive.record_round_time((time.perf_counter() - round_start) * 1e3)
+            ranked = self.adaptive.budget_rows  # None after a round off (no ranking: the flags stay)
+            if ranked is not None and ranked.shape[0] == len(self._rows):
+                for row, flag in zip(self._rows, ranked.tolist()):
+                    row.catch_up = flag
         self._keep_rows(keep)
         if not self._rows and self._kv is not None and not self._kv.add_rows_reuses_slots:
             self.close_batch()  # a transformers cache of 0 rows cannot take new rows' chunks: start afresh
@@ -585,11 +593,20 @@ class SpeculativeEngine:
         return accept_len, out.output_tokens, n_draft
 
     def _probe_window(self) -> int | None:
-        """:attr:`Draft.probe_window` of this round: adaptive verification's ``probe_window`` on a probe round
-        (a draft limit above 0 while speculation is off, or the opening probe), else ``None``."""
-        if self.adaptive is None or not self._round_limit:
+        """:attr:`Draft.probe_window` of this round, also setting :attr:`Draft.catch_up_rows`: adaptive
+        verification's scratch window for this batch (:meth:`AdaptiveVerification.scratch_window`) on a probe round (a draft limit above 0 while speculation is off, or the
+        opening probe; no row catches up beyond it) and, with ``catch_up = "budget"``, on a speculative round,
+        where the requests the previous round's budget ranked in feed their whole deferred queue; else ``None``
+        (Test-Time Speculation trains on the fed context, so with it a speculative round feeds every queue)."""
+        self.draft.catch_up_rows = None
+        if self.adaptive is None or self._round_limit == 0:
             return None
-        return self.adaptive.config.probe_window or None
+        config = self.adaptive.config
+        if self._round_limit is None:
+            if config.catch_up != "budget" or self.adaptive.speculation != "auto" or self.tts is not None:
+                return None
+            self.draft.catch_up_rows = torch.tensor([row.catch_up for row in self._rows], dtype=torch.bool)
+        return self.adaptive.scratch_window(len(self._rows))
 
     def _plain_round(self, kv, histories: list[list[int]]):
         """A round in which no request drafts (target-only decoding, speculation off for the whole batch): one

@@ -180,7 +180,7 @@ class PendingFeatures:
 
         Args:
             rows: ``[B] bool``: rows to read (the others get count 0).
-            window: the most pairs read per row, ``>= 1``.
+            window: the most pairs read per row, ``>= 1``: one int, or ``[B] int64`` (one per row).
 
         Returns:
             ``(features [B, w, F], counts [B] int64)`` as :meth:`take` returns them: ``w`` = the largest count
@@ -189,13 +189,14 @@ class PendingFeatures:
         Raises:
             ValueError: ``window < 1`` or ``rows`` not of ``B`` entries.
         """
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
         self._flush()
         have, marked = self._counts.tolist(), rows.to("cpu", torch.bool).tolist()
         if len(marked) != len(have):
             raise ValueError(f"rows must have {len(have)} entries (one per row), got {len(marked)}")
-        counts = [min(h, window) if m else 0 for h, m in zip(have, marked)]
+        windows = window.tolist() if isinstance(window, torch.Tensor) else [window] * len(have)
+        if len(windows) != len(have) or min(windows, default=1) < 1:
+            raise ValueError(f"window must be >= 1 (an int or one per row of {len(have)}), got {window}")
+        counts = [min(h, w) if m else 0 for h, m, w in zip(have, marked, windows)]
         width = max(counts, default=0)
         start = torch.tensor([h - c for h, c in zip(have, counts)], dtype=torch.int64)
         columns = (start[:, None] + torch.arange(width)[None, :]).clamp(max=max(self._store.shape[1] - 1, 0))
