@@ -35,8 +35,8 @@ class AVConfig:
             counts) whether or not speculation ever resumes.
         probe_pairs: the most deferred pairs a round's scratch contexts read over the whole batch: above
             ``probe_pairs / probe_window`` requests the per-request window shrinks to ``probe_pairs // B`` (at
-            least 1; 0: no cap). A scratch context costs the head's forward over its pairs (about 60 ms for 32
-            requests x 32 pairs on 2 cores, nearly all of a batch-32 probe's extra time over a plain round).
+            least 1; 0: no cap). With ``catch_up = "budget"`` speculative rounds read scratch contexts too (for
+            every request not ranked in), so their total is capped rather than growing with the batch.
         probe_rows: the most requests a probe round verifies (0: all): every request drafts, so the next ``B*``
             sees each one's position-1 feature, but only a rotating subset of this many verifies its draft (the
             estimator learns from those); the rest decode plainly in the same forward. At batch 32 on 2 cores each
