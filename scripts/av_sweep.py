@@ -363,9 +363,16 @@ def parse_av_settings(ap, pairs: list[str]) -> AVConfig:
         if not sep or not hasattr(defaults, name) or name == "estimator":
             ap.error(f"--av-set: {pair!r} is not FIELD=VALUE with FIELD an AVConfig setting")
         kind = type(getattr(defaults, name))
+        if kind is bool:
+            if value.lower() not in ("1", "true", "yes", "0", "false", "no"):
+                ap.error(f"--av-set: {pair!r}: {value!r} is not true / false")
+            overrides[name] = value.lower() in ("1", "true", "yes")
+            continue
+        if kind is type(None):  # an optional path (cost_table)
+            kind = str
         try:
-            overrides[name] = (value.lower() in ("1", "true", "yes")) if kind is bool else kind(value)
-        except ValueError:
+            overrides[name] = kind(value)
+        except (TypeError, ValueError):
             ap.error(f"--av-set: {pair!r}: {value!r} is not a {kind.__name__}")
     try:
         return AVConfig(**overrides)

@@ -52,7 +52,7 @@ def main() -> int:
     running = {name: [] for name in engines}
     for name, engine in engines.items():
         engine.open_batch()
-        running[name] = [Request(prompts[i % len(prompts)], 2048, flags.seed + i) for i in range(args.batch_size)]
+        running[name] = [Request(prompts[i % len(prompts)], 2048, flags.seed + i, ignore_eos=True) for i in range(args.batch_size)]
         engine.join(running[name])
         engine.step()
     ms = {name: [] for name in engines}
@@ -61,7 +61,7 @@ def main() -> int:
         index = args.batch_size + turn
         for name, engine in order:
             engine.cancel([running[name].pop(0)])
-            new = Request(prompts[index % len(prompts)], 2048, flags.seed + index)
+            new = Request(prompts[index % len(prompts)], 2048, flags.seed + index, ignore_eos=True)
             start = time.perf_counter()
             engine.join([new])
             elapsed = (time.perf_counter() - start) * 1e3

@@ -332,6 +332,7 @@ def test_a_held_probe_that_is_not_confirmed_keeps_the_earlier_backoff():
     av._probe_wait = 32
     _probe(av, True)
     assert av.stale_budget == 0 and av._probe_wait == 4
+    assert not av.budget_rows.any()  # held: speculation stays off, no request is ranked in
     _probe(av, False)
     assert av._probe_wait == 64  # doubled from 32, not from 4
 
@@ -667,14 +668,16 @@ def test_the_engine_catches_up_only_the_requests_its_budget_ranked_in(tiny_targe
     round pay, a window of 2 pairs. Each speculative round names in ``catch_up_rows`` exactly the requests the
     previous round's budget ranked in (:attr:`AdaptiveVerification.budget_rows`, followed across finished rows);
     some rounds draft rows from a scratch window, some name only part of the batch; greedy output is
-    target-only's. ``probe_pairs`` = 6 shrinks the window to 1 pair while 4-6 requests run. ``catch_up = "all"``
-    names no row and sets no window on a speculative round."""
+    target-only's. ``probe_pairs`` = 6 shrinks the window to 1 pair while 4-6 requests run, but a speculative
+    round's window is at least L + 1 (a row that drafted last round stays caught up). ``catch_up = "all"``, or
+    an estimator that does not prune, names no row and sets no window on a speculative round."""
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 32, (n,), generator=gen).tolist() for n in (3, 5, 7, 9, 11, 12)]
     kink = CostTable(target_ms=[1.0] * 8 + [50.0] * 200, draft_ms=[0.0])
     n, L = 16, 3
-    for mode in ("budget", "all"):
-        av = _av(L, kink, probe_window=2, probe_pairs=6, catch_up=mode)
+    for mode in ("budget", "all", "unpruned"):
+        av = _av(L, kink, probe_window=2, probe_pairs=6, catch_up="all" if mode == "all" else "budget")
+        av.prune = mode != "unpruned"  # unpruned (--log-drafts at fixed L): no budget ranks rows in, none windowed
         draft = eagle(tiny_target)
         engine = SpeculativeEngine(tiny_target, draft, GREEDY, L, rule, num_paths=2 if rule == "gbv" else 1,
                                    adaptive=av)
@@ -698,7 +701,7 @@ def test_the_engine_catches_up_only_the_requests_its_budget_ranked_in(tiny_targe
         assert [r.output_ids for r in results] == [naive_greedy(tiny_target.model, p, n) for p in prompts]
         feeds = [e for e in log if e[0] == "feed" and e[1] == "on"]
         assert feeds, "no speculative round"
-        if mode == "all":
+        if mode != "budget":
             assert all(named is None and window is None for _, _, _, named, window, _ in feeds)
             continue
         ranked, checked, partial = None, 0, False
@@ -707,7 +710,7 @@ def test_the_engine_catches_up_only_the_requests_its_budget_ranked_in(tiny_targe
                 ranked = dict(zip(entry[1], entry[2])) if entry[2] is not None else ranked
             elif entry[1] == "on":
                 _, _, ids, named, window, _ = entry
-                assert window == min(2, max(6 // len(ids), 1))  # probe_pairs: 1 pair a row at batch 4-6
+                assert window == L + 1  # probe_pairs' 1-2 pairs, raised to one round's L + 1 pairs
                 assert named == [ranked.get(i, True) for i in ids]
                 checked += 1
                 partial |= any(named) and not all(named)

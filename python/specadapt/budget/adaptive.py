@@ -374,6 +374,7 @@ class AdaptiveVerification:
                 held = self._positive_probes < self.config.resume_probes
                 if held:
                     self.stale_budget = 0
+                    self.budget_rows = torch.zeros_like(self.budget_rows)  # speculation stays off
                 else:
                     self._positive_probes = 0  # speculation resumes: the next switch-off counts afresh
             else:

@@ -44,8 +44,8 @@ class AVConfig:
         resume_probes: probes in a row that must choose ``B* > 0`` before speculation resumes after a switch-off
             (the opening probe included); a probe that would resume earlier keeps speculation off and the next
             probe comes after ``probe_interval`` rounds off. Default 1: with ``catch_up = "budget"`` a resume pays
-            the backlog of the requests the budget verifies only (batch 32, 1,024-round cells: 162-197 ms resumed
-            rounds against 77-79 ms plain); 2 was the default while a resume paid every request's backlog (1.9-2.2
+            the backlog of the requests the budget verifies only (batch 32, 1,024-round cells: 100-204 ms resumed
+            rounds against 73-80 ms plain, sweep v19); 2 was the default while a resume paid every request's backlog (1.9-2.2
             s), and it cost the looping prompt at batch 1 its speed-up (1.07x with 1, 0.98x with 2, one run each).
         catch_up: which requests pay their deferred catch-up when speculation resumes. ``"budget"``: only those
             the budget ranked into its top-``B*`` slots in the round before (the probe that resumed speculation,

@@ -596,17 +596,23 @@ class SpeculativeEngine:
         """:attr:`Draft.probe_window` of this round, also setting :attr:`Draft.catch_up_rows`: adaptive
         verification's scratch window for this batch (:meth:`AdaptiveVerification.scratch_window`) on a probe round (a draft limit above 0 while speculation is off, or the
         opening probe; no row catches up beyond it) and, with ``catch_up = "budget"``, on a speculative round,
-        where the requests the previous round's budget ranked in feed their whole deferred queue; else ``None``
-        (Test-Time Speculation trains on the fed context, so with it a speculative round feeds every queue)."""
+        where the requests the previous round's budget ranked in feed their whole deferred queue and the window is
+        at least ``L + 1`` (one round's pairs: only a backlog from rounds off is windowed); else ``None`` (also with
+        Test-Time Speculation, which trains on the fed context, and without pruning, e.g. ``--log-drafts`` at fixed
+        L, where no budget ranks requests in)."""
         self.draft.catch_up_rows = None
         if self.adaptive is None or self._round_limit == 0:
             return None
-        config = self.adaptive.config
+        config, adaptive = self.adaptive.config, self.adaptive
+        window = adaptive.scratch_window(len(self._rows))
         if self._round_limit is None:
-            if config.catch_up != "budget" or self.adaptive.speculation != "auto" or self.tts is not None:
+            if (config.catch_up != "budget" or adaptive.speculation != "auto" or not adaptive.prune
+                    or self.tts is not None or window is None):
                 return None
             self.draft.catch_up_rows = torch.tensor([row.catch_up for row in self._rows], dtype=torch.bool)
-        return self.adaptive.scratch_window(len(self._rows))
+            # a row that drafted last round holds at most L + 1 pending pairs: it stays caught up whatever its rank
+            window = max(window, self.num_draft_tokens + 1)
+        return window
 
     def _plain_round(self, kv, histories: list[list[int]]):
         """A round in which no request drafts (target-only decoding, speculation off for the whole batch): one
