@@ -745,6 +745,11 @@ def test_budget_rows_are_the_requests_holding_the_next_budget(tiny_target):
     av.plan_features(torch.full((4, 2), -30.0), torch.full((4,), 2))  # nothing survives: B* = 0
     assert av.stale_budget == 0 and not av.budget_rows.any()
     assert av.round_draft_limit() == 0 and av.budget_rows is None
+    unread = _av(2, kink, catch_up="all")  # nothing reads the ranking: it is not computed
+    unread.stale_budget = 4
+    unread.round_draft_limit()
+    unread.plan_features(features, torch.full((4,), 2))
+    assert unread.stale_budget == 2 and unread.budget_rows is None
 
 
 def test_draft_cost_by_depth_with_a_measured_first_position(tmp_path):

@@ -87,8 +87,9 @@ class AdaptiveVerification:
             probe included) or ``"on"`` (``None`` before the first round); benchmarks split time by it.
         budget_rows: ``[B] bool`` set by :meth:`plan` (``None`` from :meth:`round_draft_limit` until then): the
             requests of the round just planned that hold at least one of the top-``B*`` slots its survivals rank
-            for the next round (all ``False`` when ``B* = 0``). With ``config.catch_up = "budget"`` the engine
-            feeds the deferred catch-up of only these requests in the next speculative round.
+            for the next round (all ``False`` when ``B* = 0``); only computed with ``config.catch_up = "budget"``
+            (else ``None``), where the engine feeds the deferred catch-up of only these requests in the next
+            speculative round.
         cost_samples: ``(table_ms, measured_ms, calibrated_ms)`` of recent rounds (:meth:`record_round_time`; at
             most ``config.max_cost_samples`` kept): the cost table's prediction, the measured wall time, and the
             prediction with the learnt overhead, to check the cost model against the rounds it chose.
@@ -361,9 +362,11 @@ class AdaptiveVerification:
                                           overhead_off_ms=self._overhead("off"))
         # the requests the next round's budget would verify (the same ranking with the same B*): with catch_up
         # "budget" only they pay their deferred catch-up in it (set from this round's rows only: exact)
-        self.budget_rows = torch.zeros(num_drafts.shape[0], dtype=torch.bool)
-        if self.stale_budget > 0 and surv.shape[1] > 0:
-            self.budget_rows = (allocate_prefixes(surv, self.stale_budget) > 0) & (surv[:, 0] > 0)
+        # (a second ranking of the slots: only when something reads it)
+        if self.config.catch_up == "budget":
+            self.budget_rows = torch.zeros(num_drafts.shape[0], dtype=torch.bool)
+            if self.stale_budget > 0 and surv.shape[1] > 0:
+                self.budget_rows = (allocate_prefixes(surv, self.stale_budget) > 0) & (surv[:, 0] > 0)
         self._round_is_probe = probing and not opening
         if self._round_is_probe:  # what a plain round of this batch would cost: the probe's extra time is over it
             self._plain_round_ms = self.costs.verify_cost(num_drafts.shape[0]) + self._overhead("off")
@@ -374,7 +377,8 @@ class AdaptiveVerification:
                 held = self._positive_probes < self.config.resume_probes
                 if held:
                     self.stale_budget = 0
-                    self.budget_rows = torch.zeros_like(self.budget_rows)  # speculation stays off
+                    if self.budget_rows is not None:  # speculation stays off: no request is ranked in
+                        self.budget_rows = torch.zeros_like(self.budget_rows)
                 else:
                     self._positive_probes = 0  # speculation resumes: the next switch-off counts afresh
             else:

@@ -594,8 +594,9 @@ class SpeculativeEngine:
 
     def _probe_window(self) -> int | None:
         """:attr:`Draft.probe_window` of this round, also setting :attr:`Draft.catch_up_rows`: adaptive
-        verification's scratch window for this batch (:meth:`AdaptiveVerification.scratch_window`) on a probe round (a draft limit above 0 while speculation is off, or the
-        opening probe; no row catches up beyond it) and, with ``catch_up = "budget"``, on a speculative round,
+        verification's scratch window for this batch (:meth:`AdaptiveVerification.scratch_window`) on a probe
+        round (a draft limit above 0 while speculation is off, or the opening probe; no row catches up beyond it)
+        and, with ``catch_up = "budget"``, on a speculative round,
         where the requests the previous round's budget ranked in feed their whole deferred queue and the window is
         at least ``L + 1`` (one round's pairs: only a backlog from rounds off is windowed); else ``None`` (also with
         Test-Time Speculation, which trains on the fed context, and without pruning, e.g. ``--log-drafts`` at fixed
