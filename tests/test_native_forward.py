@@ -144,6 +144,38 @@ def test_hidden_states_capture_matches_transformers(path):
         _close(ours.hidden_states[i], hf.hidden_states[i], counts)
 
 
+def test_a_join_unpacks_the_new_rows_hidden_states_only(path):
+    """hidden_from_row (a join: the running rows take no tokens) gives rows k.. of the full hidden states, on
+    both caches, and the caches hold the same entries afterwards; rows before it with tokens are refused."""
+    model = tiny("llama", layers=3)
+    native = NativeLlama.from_hf(model, "float32")
+    ids, counts = _pad([[5, 6, 7], [9, 10], [11], [12, 13]])
+    caches = {}
+    for name, make in (("native", lambda: SlotKVCache(native, 4, 32)), ("hf", lambda: RaggedKVCache(model, 4, packed=True))):
+        full, sliced = make(), make()
+        for kv in (full, sliced):
+            kv.forward(ids, counts)
+        join_ids, join_counts = _pad([[], [], [20, 21, 22, 23], [24]])
+        want = full.forward(join_ids, join_counts, logits_to_keep=1, return_outputs=True, output_hidden_states=True)
+        got = sliced.forward(join_ids, join_counts, logits_to_keep=1, return_outputs=True, output_hidden_states=True,
+                             hidden_from_row=2)
+        assert len(got.hidden_states) == 4
+        for h_got, h_want in zip(got.hidden_states, want.hidden_states):
+            assert h_got.shape[0] == 2
+            torch.testing.assert_close(h_got, h_want[2:], atol=0, rtol=0)
+        if name == "native":
+            torch.testing.assert_close(got.hidden, want.hidden[2:], atol=0, rtol=0)
+        torch.testing.assert_close(got.logits, want.logits, atol=0, rtol=0)
+        assert sliced.lengths.tolist() == full.lengths.tolist() == [3, 2, 5, 3]
+        with pytest.raises(ValueError, match="hidden_from_row"):
+            sliced.forward(join_ids, join_counts, hidden_from_row=3)
+        with pytest.raises(ValueError, match="hidden_from_row"):
+            sliced.forward(join_ids, join_counts, hidden_from_row=5)
+        caches[name] = got
+    for a, b in zip(caches["native"].hidden_states, caches["hf"].hidden_states):
+        _close(a, b, torch.tensor([4, 1]))
+
+
 def test_token_trees_and_path_compaction_match_transformers(path):
     model = tiny("llama")
     native = NativeLlama.from_hf(model, "float32")

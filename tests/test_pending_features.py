@@ -29,8 +29,9 @@ op = st.one_of(
 
 
 @settings(max_examples=150, deadline=None)
-@given(initial=st.lists(st.integers(0, 6), min_size=1, max_size=4), ops=st.lists(op, max_size=25))
-def test_queues_match_a_per_row_list_model(initial, ops):
+@given(initial=st.lists(st.integers(0, 6), min_size=1, max_size=4), ops=st.lists(op, max_size=25),
+       reserve=st.sampled_from([0, 3, 64]))
+def test_queues_match_a_per_row_list_model(initial, ops, reserve):
     counter = [0.0]
 
     def fresh(n_rows: int, width: int) -> torch.Tensor:  # distinct values, so any mix-up shows
@@ -39,7 +40,7 @@ def test_queues_match_a_per_row_list_model(initial, ops):
         counter[0] += n
         return values
 
-    store = PendingFeatures(F)
+    store = PendingFeatures(F, reserve=reserve)
     counts = torch.tensor(initial)
     feats = fresh(len(initial), max(initial))
     store.add_rows(feats, counts)
@@ -122,7 +123,36 @@ def test_finished_rows_free_their_slots_for_joined_rows():
     assert got[:2, :2].eq(1).all() and got[2:, :1].eq(0).all()
 
 
+def test_a_reserved_store_is_not_reallocated_while_the_queues_fit():
+    store = PendingFeatures(F, reserve=40)
+    store.add_rows(torch.ones(3, 2, F), torch.full((3,), 2))
+    buffer = store._store.data_ptr()
+    for _ in range(30):
+        store.append_one(torch.ones(3, F))
+    store.append(torch.ones(3, 8, F), torch.tensor([8, 0, 3]))
+    assert store.counts.tolist() == [40, 32, 35] and store._store.data_ptr() == buffer
+    store.append_one(torch.ones(3, F))  # row 0 past the reserve: the store grows, its queues intact
+    assert store.counts.tolist() == [41, 33, 36] and store._store.data_ptr() != buffer
+    got, taken = store.take(torch.ones(3, dtype=torch.bool))
+    assert taken.tolist() == [41, 33, 36] and got[0].eq(1).all()
+
+
+def test_unwritten_entries_are_never_returned():
+    """The store is uninitialised memory: whatever lies past a row's queue (here NaN) reads as zeros."""
+    store = PendingFeatures(F, reserve=16)
+    store.add_rows(torch.ones(3, 4, F), torch.tensor([4, 1, 0]))
+    store._store[:, 4:] = float("nan")
+    store._store[1, 1:4] = float("nan")
+    store._store[2, :4] = float("nan")
+    for got, counts in (store.peek(torch.ones(3, dtype=torch.bool), 3), store.take(torch.ones(3, dtype=torch.bool))):
+        assert not got.isnan().any()
+        for r, c in enumerate(counts.tolist()):
+            assert got[r, :c].eq(1).all() and got[r, c:].eq(0).all()
+
+
 def test_bad_shapes_are_refused_by_name():
+    with pytest.raises(ValueError, match="reserve"):
+        PendingFeatures(F, reserve=-1)
     store = PendingFeatures(F)
     with pytest.raises(ValueError, match="features"):
         store.add_rows(torch.zeros(2, 1, F), torch.tensor([1, 2]))

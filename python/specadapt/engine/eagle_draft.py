@@ -93,10 +93,17 @@ class EagleDraft(Draft):
         features = features.detach()
         if self._awaiting_prefill:
             self._awaiting_prefill = False
-            self._pending = PendingFeatures(features.shape[-1], features.dtype, features.device)
+            self._pending = self._new_pending(features.shape[-1], features.dtype, features.device)
             self._pending.add_rows(features, self._prompt_pairs)
         else:
             self._round_features = features
+
+    def _new_pending(self, feature_size: int, dtype: torch.dtype, device) -> PendingFeatures:
+        """The deferred catch-up queues; on CPU their store reserves the batch's context capacity (a row's
+        queue never holds more pairs than its context), so it is never copied to grow."""
+        device = torch.device(device)
+        return PendingFeatures(feature_size, dtype, device,
+                               reserve=int(self.context_capacity) if device.type == "cpu" else 0)
 
     def _feed_pending(self, histories: list[list[int]], rows: torch.Tensor | None = None):
         """Feed the pending real pairs of ``rows`` (``[B]`` bool, default all; the other rows keep theirs: their
@@ -312,8 +319,8 @@ class EagleDraft(Draft):
         new_counts = torch.tensor([len(h) - 1 for h in histories], dtype=torch.int64)
         hidden3 = 3 * self.head.hidden_size
         if self._pending is None:
-            self._pending = PendingFeatures(hidden3, torch.float32 if features is None else features.dtype,
-                                            "cpu" if features is None else features.device)
+            self._pending = self._new_pending(hidden3, torch.float32 if features is None else features.dtype,
+                                              "cpu" if features is None else features.device)
         self._pending.add_rows(features, new_counts)
         self.recent_features += [torch.zeros(0, hidden3) for _ in range(count)]
         self.recent_tokens += [torch.zeros(0, dtype=torch.int64) for _ in range(count)]

@@ -202,6 +202,7 @@ class RaggedKVCache:
         chunk_positions: torch.Tensor | None = None,
         return_outputs: bool = False,
         logit_columns: torch.Tensor | None = None,
+        hidden_from_row: int = 0,
         **model_kwargs,
     ):
         """Append one chunk and return its logits.
@@ -222,6 +223,10 @@ class RaggedKVCache:
                 are then ``[B, 1, ...]``, zeros for a negative or hole column. Overrides ``logits_to_keep``. (This
                 cache runs the model over every column and keeps those; :class:`~specadapt.engine.native.
                 SlotKVCache` runs the last layer for them only.)
+            hidden_from_row: the output's ``hidden_states`` (and ``hidden`` where the model returns one, without
+                ``logit_columns``) hold rows ``hidden_from_row..B-1`` only (a join's new rows; rows before it
+                must take no tokens). Here a slice of the full outputs; :class:`~specadapt.engine.native.
+                SlotKVCache` unpacks only those rows.
             model_kwargs: passed to the model's forward (e.g. ``features=`` for an EAGLE head).
 
         Returns:
@@ -231,6 +236,10 @@ class RaggedKVCache:
         batch, num_new = input_ids.shape
         if batch != self.batch_size:
             raise ValueError(f"input_ids has {batch} rows but the cache has {self.batch_size}")
+        first = int(hidden_from_row)
+        if not 0 <= first <= batch or (first and bool((num_valid[:first] != 0).any())):
+            raise ValueError(f"hidden_from_row must lie in [0, {batch}] with no tokens in the rows before it, got "
+                             f"{hidden_from_row}")
         if logit_columns is not None:
             if tuple(logit_columns.shape) != (batch,):
                 raise ValueError(f"logit_columns must have shape [{batch}], got {tuple(logit_columns.shape)}")
@@ -291,6 +300,11 @@ class RaggedKVCache:
             if getattr(out, "hidden", None) is not None:
                 out.hidden = torch.where(keep, out.hidden.gather(
                     1, index[:, :, None].expand(-1, 1, out.hidden.shape[-1])), 0.0)
+        if first and return_outputs:
+            if getattr(out, "hidden_states", None) is not None:
+                out.hidden_states = tuple(None if h is None else h[first:] for h in out.hidden_states)
+            if logit_columns is None and getattr(out, "hidden", None) is not None:
+                out.hidden = out.hidden[first:]
         return out if return_outputs else out.logits
 
     @staticmethod

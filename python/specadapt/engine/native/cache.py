@@ -102,7 +102,7 @@ class SlotKVCache:
     def forward(self, input_ids: torch.Tensor, num_valid: torch.Tensor, logits_to_keep: int = 0,
                 chunk_mask: torch.Tensor | None = None, chunk_positions: torch.Tensor | None = None,
                 return_outputs: bool = False, output_hidden_states: bool = False, features: torch.Tensor | None = None,
-                logit_columns: torch.Tensor | None = None, **unused):
+                logit_columns: torch.Tensor | None = None, hidden_from_row: int = 0, **unused):
         """Append one ragged chunk and run it (the contract of :meth:`RaggedKVCache.forward`).
 
         Args:
@@ -120,13 +120,17 @@ class SlotKVCache:
                 negative gets zeros. Overrides ``logits_to_keep``; the logits and the output object's ``hidden``
                 are then ``[B, 1, ...]``, and the last layer runs past its cache writes for those tokens only
                 (the cache is written as without it).
+            hidden_from_row: ``hidden_states`` and ``hidden`` hold rows ``hidden_from_row..B-1`` only (a join's
+                new rows: the running rows take no tokens, and unpacking them is the larger part of the
+                feature capture's cost at batch 32); rows before it must have ``num_valid = 0``. Ignored for
+                ``hidden`` with ``logit_columns``.
 
         Returns:
             ``[B, n or k or 1, V] float32`` logits (zeros in holes), or the output object.
 
         Raises:
             ValueError: shapes that do not match the cache, ``num_valid`` outside ``[0, n]``, a tree wider than
-                :data:`MAX_TREE_NODES`.
+                :data:`MAX_TREE_NODES`, ``hidden_from_row`` outside ``[0, B]`` or past a row with tokens.
         """
         batch, width = input_ids.shape
         if batch != self.batch_size:
@@ -136,6 +140,10 @@ class SlotKVCache:
         counts = num_valid.to("cpu", torch.int64).tolist()
         if any(c < 0 or c > width for c in counts):
             raise ValueError(f"num_valid must lie in [0, {width}]")
+        first = int(hidden_from_row)
+        if not 0 <= first <= batch or any(counts[:first]):
+            raise ValueError(f"hidden_from_row must lie in [0, {batch}] with no tokens in the rows before it, got "
+                             f"{hidden_from_row}")
         start = self.lengths
         starts, slots = start.tolist(), self.row_slot.tolist()
         need = max((s + c for s, c in zip(starts, counts)), default=0)
@@ -218,12 +226,13 @@ class SlotKVCache:
                 full[where[:, 0].to(dev), where[:, 1].to(dev)] = rows_tensor
             return full
 
-        def unpack(rows_tensor: torch.Tensor) -> torch.Tensor:
-            """Rows ``[N, X]`` of every packed token into ``[B, width, X]`` (holes zero; a view when dense)."""
+        def unpack(rows_tensor: torch.Tensor, first: int = 0) -> torch.Tensor:
+            """Rows ``[N, X]`` of every packed token into ``[B - first, width, X]`` (rows ``first..B-1``; holes
+            zero; a view when dense)."""
             if dense:
-                return rows_tensor.reshape(batch, width, rows_tensor.shape[-1])
-            full = rows_tensor.new_zeros(batch, width, rows_tensor.shape[-1])
-            full[rows_idx.to(dev), cols_idx.to(dev)] = rows_tensor
+                return rows_tensor.reshape(batch, width, rows_tensor.shape[-1])[first:]
+            full = rows_tensor.new_zeros(batch - first, width, rows_tensor.shape[-1])
+            full[(rows_idx - first).to(dev), cols_idx.to(dev)] = rows_tensor
             return full
 
         if logit_sel is None:  # every column's logits
@@ -237,7 +246,8 @@ class SlotKVCache:
 
         hidden_states = None
         if output_hidden_states:
-            hidden_states = tuple(unpack(out.captured[i]) if i in out.captured else None for i in range(layers + 1))
+            hidden_states = tuple(unpack(out.captured[i], first) if i in out.captured else None
+                                  for i in range(layers + 1))
         if logit_columns is not None:  # hidden of the chosen columns only, [B, 1, h] like the logits
             if not rows_only:
                 hidden = out.hidden.new_zeros(batch, 1, out.hidden.shape[-1])
@@ -246,7 +256,7 @@ class SlotKVCache:
             else:
                 hidden = scatter(out.hidden, logit_sel)
         else:
-            hidden = unpack(out.hidden)
+            hidden = unpack(out.hidden, first)
         return SimpleNamespace(logits=logits, hidden_states=hidden_states, hidden=hidden)
 
     # ---- bookkeeping ---------------------------------------------------------------------------------------
