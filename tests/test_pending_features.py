@@ -137,6 +137,25 @@ def test_a_reserved_store_is_not_reallocated_while_the_queues_fit():
     assert taken.tolist() == [41, 33, 36] and got[0].eq(1).all()
 
 
+def test_the_reserve_stays_within_its_cap_as_rows_join_one_by_one(monkeypatch):
+    """A store that gains slots one join at a time (a server's requests) keeps reserve x slots within the cap:
+    the reserved width shrinks to what the cap allows per slot, never below the queued pairs' need."""
+    import specadapt.engine.pending as pending
+
+    monkeypatch.setattr(pending, "_RESERVE_BYTES", 100 * F * 4)  # 100 pairs over all slots
+    store = PendingFeatures(F, reserve=80)
+    for r in range(8):
+        store.add_rows(torch.full((1, 2, F), float(r)), torch.tensor([2]))
+        assert store._store.numel() * 4 <= 100 * F * 4
+        assert store.counts.tolist() == [2] * (r + 1)
+    for _ in range(30):  # queues past the cap's width: the store grows by the pairs' need (doubling)
+        store.append_one(torch.ones(8, F))
+    got, taken = store.take(torch.ones(8, dtype=torch.bool))
+    assert taken.tolist() == [32] * 8 and store._store.shape[1] >= 32
+    for r in range(8):
+        assert got[r, :2].eq(r).all() and got[r, 2:32].eq(1).all()
+
+
 def test_unwritten_entries_are_never_returned():
     """The store is uninitialised memory: whatever lies past a row's queue (here NaN) reads as zeros."""
     store = PendingFeatures(F, reserve=16)

@@ -100,7 +100,8 @@ class EagleDraft(Draft):
 
     def _new_pending(self, feature_size: int, dtype: torch.dtype, device) -> PendingFeatures:
         """The deferred catch-up queues; on CPU their store reserves the batch's context capacity (a row's
-        queue never holds more pairs than its context), so it is never copied to grow."""
+        queue never holds more pairs than its context, within the store's 2 GiB cap), so it is copied to grow
+        only when the batch outgrows its slots or the cap binds."""
         device = torch.device(device)
         return PendingFeatures(feature_size, dtype, device,
                                reserve=int(self.context_capacity) if device.type == "cpu" else 0)
