@@ -26,6 +26,7 @@ def _zero_past(features: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         features.masked_fill_(past.to(features.device)[:, :, None], 0)
     return features
 
+
 #: the most bytes a store reserves ahead of its rows' needs (uninitialised, see ``reserve``)
 _RESERVE_BYTES = 2 << 30
 
@@ -60,6 +61,7 @@ class PendingFeatures:
             raise ValueError(f"reserve must be >= 0, got {reserve}")
         self.feature_size = int(feature_size)
         self.reserve = int(reserve)
+        self._pair_bytes = self.feature_size * torch.empty(0, dtype=dtype).element_size()
         self.dtype = dtype
         self.device = torch.device(device)
         self._store = torch.zeros(0, 0, self.feature_size, dtype=dtype, device=self.device)  # [slots, cap, F]
@@ -92,7 +94,8 @@ class PendingFeatures:
         self._counts = self._counts + width
 
     def _ensure(self, slots: int, capacity: int) -> None:
-        """Grow the store (doubling) to hold at least ``slots`` slots of ``capacity`` pairs each.
+        """Grow the store to hold at least ``slots`` slots (doubling) of ``capacity`` pairs each (the live queues'
+        need, doubled when outgrown, or the capped reserve if larger).
 
         The new store is left uninitialised and only the live rows' queued pairs are copied into it: a store of
         zeros with the old one copied whole wrote every slot's whole capacity (at batch 32 a store of 100-450 MB
@@ -108,8 +111,7 @@ class PendingFeatures:
         # top is capped over all slots, so more slots never multiply a reserved width past the cap
         need = max(capacity, int(self._counts.max()) if self._counts.numel() else 0)
         new_cap = need if need <= have_cap else max(need, 2 * have_cap)
-        pair_bytes = self.feature_size * torch.empty(0, dtype=self.dtype).element_size()
-        new_cap = max(new_cap, min(self.reserve, _RESERVE_BYTES // max(new_slots * pair_bytes, 1)))
+        new_cap = max(new_cap, min(self.reserve, _RESERVE_BYTES // max(new_slots * self._pair_bytes, 1)))
         grown = torch.empty(new_slots, new_cap, self.feature_size, dtype=self.dtype, device=self.device)
         for slot, count in zip(self._row_slot.tolist(), self._counts.tolist()):
             if count:
