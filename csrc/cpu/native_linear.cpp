@@ -91,6 +91,30 @@ void dequantize_row_scalar(const WeightView& w, int64_t n, float* out) {
       }
       return;
     }
+    case kQ4_K:
+    case kQ6_K: {
+      // ggml's order: the block scale (and Q4_K's minimum) as a float32 product, then scale * q (- minimum)
+      const int64_t group = n / 16, r = n % 16, nsb = K / kSuperBlock;
+      const bool q4 = w.format == kQ4_K;
+      const int64_t per = q4 ? 32 : 16;
+      for (int64_t blk = 0; blk < nb; ++blk) {
+        const float d = half_bits_to_float(w.scales[group * nsb * per + (blk / 8) * per + r]);
+        const uint8_t* sub = w.sub + group * nb * 32 + blk * 32;
+        if (q4) {
+          const float dmin = half_bits_to_float(w.scales[group * nsb * per + (blk / 8) * per + 16 + r]);
+          const float scale = d * static_cast<float>(sub[r]);
+          const float minimum = dmin * static_cast<float>(sub[16 + r]);
+          for (int64_t j = 0; j < kBlock; ++j)
+            out[blk * kBlock + j] = scale * static_cast<float>(block_code(w, n, blk * kBlock + j)) - minimum;
+        } else {
+          for (int64_t j = 0; j < kBlock; ++j) {
+            const float scale = d * static_cast<float>(static_cast<int8_t>(sub[16 * (j / 16) + r]));
+            out[blk * kBlock + j] = scale * static_cast<float>(block_code(w, n, blk * kBlock + j) - 32);
+          }
+        }
+      }
+      return;
+    }
     default:
       TORCH_CHECK(false, "unknown weight format ", w.format);
   }
@@ -343,16 +367,53 @@ WeightView weight_view(const at::Tensor& data, const c10::optional<at::Tensor>& 
       if (format == kQ4_1) w.mins = halves(mins, "mins");
       break;
     }
+    case kQ4_K:
+    case kQ6_K:
+      w = kquant_view(data, scales, mins, format, rows);
+      break;
     default:
-      TORCH_CHECK(false, "format must be 0 (F32), 1 (BF16), 2 (Q8_0) or 3 (Q4_1), got ", format);
+      TORCH_CHECK(false, "format must be 0 (F32), 1 (BF16), 2 (Q8_0), 3 (Q4_1), 4 (Q4_K) or 5 (Q6_K), got ", format);
   }
   return w;
 }
 
+}  // namespace
+
+WeightView kquant_view(const at::Tensor& data, const c10::optional<at::Tensor>& scales,
+                       const c10::optional<at::Tensor>& sub, int64_t format, int64_t rows) {
+  const bool q4 = format == kQ4_K;
+  const char* name = q4 ? "Q4_K" : "Q6_K";
+  const int64_t per_block = q4 ? 256 : 384;
+  TORCH_CHECK(data.device().is_cpu() && data.dim() == 2 && data.is_contiguous() && data.scalar_type() == at::kByte,
+              name, " weight data must be a contiguous uint8 [G, nb * ", per_block, "] CPU tensor, got ", data.sizes(),
+              " ", data.scalar_type());
+  TORCH_CHECK(data.size(1) % (per_block * 8) == 0, name, " weight data must be [G, nb * ", per_block,
+              "] with K divisible by 256, got ", data.sizes());
+  WeightView w;
+  w.format = format;
+  w.data = data.data_ptr();
+  const int64_t G = data.size(0), nb = data.size(1) / per_block, nsb = nb / 8;
+  w.cols = nb * kBlock;
+  w.rows = rows < 0 ? 16 * G : rows;
+  TORCH_CHECK(w.rows > 16 * (G - 1) && w.rows <= 16 * G, "rows ", w.rows, " does not fit ", G, " groups of 16 rows");
+  TORCH_CHECK(scales.has_value() && scales->defined() && scales->scalar_type() == at::kHalf && scales->is_contiguous() &&
+                  scales->dim() == 2 && scales->size(0) == G && scales->size(1) == nsb * (q4 ? 32 : 16),
+              name, " scales must be contiguous float16 [G, K/256 * ", q4 ? 32 : 16, "] = [", G, ", ",
+              nsb * (q4 ? 32 : 16), "]");
+  TORCH_CHECK(sub.has_value() && sub->defined() && (sub->scalar_type() == at::kByte || sub->scalar_type() == at::kChar) &&
+                  sub->is_contiguous() && sub->dim() == 2 && sub->size(0) == G && sub->size(1) == nb * 32,
+              name, " sub-block scales must be contiguous uint8 / int8 [G, K/32 * 32] = [", G, ", ", nb * 32, "]");
+  w.scales = reinterpret_cast<const uint16_t*>(scales->data_ptr());
+  w.sub = static_cast<const uint8_t*>(sub->data_ptr());
+  return w;
+}
+
+namespace {
+
 at::Tensor native_linear_cpu(const at::Tensor& x, const at::Tensor& data, const c10::optional<at::Tensor>& scales,
                              const c10::optional<at::Tensor>& mins, int64_t format, int64_t rows) {
   const WeightView w = weight_view(data, scales, mins, format, rows);
-  const bool int8_activations = format == kQ8_0 || format == kQ4_1;
+  const bool int8_activations = is_block_format(format);
   TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32, got ", x.scalar_type());
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == w.cols, "x must be [..., K] with K = ", w.cols, ", got ", x.sizes());
   auto lead = x.sizes().vec();

@@ -33,7 +33,10 @@ namespace cpu {
 namespace native {
 namespace {
 
-constexpr int64_t kTensorsPerLayer = 17;
+// Per layer: 7 weights as (data, scales, mins) triples: q, k, v, o, gate, up, down (k / v and up may be absent
+// when q / gate hold the fused q/k/v / gate/up matrix), then norm1, norm2, q_norm, k_norm, qkv_bias.
+constexpr int64_t kWeightsPerLayer = 7;
+constexpr int64_t kTensorsPerLayer = 3 * kWeightsPerLayer + 5;
 
 // Optional per-phase wall-clock totals (native_phase_times), off unless native_set_profiling(true).
 enum Phase { kNorms = 0, kQkv, kAttention, kOut, kGateUp, kActivation, kDown, kPhases };
@@ -48,16 +51,19 @@ struct PhaseTimer {
     g_phase_seconds[p] += std::chrono::duration<double>(now - last).count();
     last = now;
   }
-};  // 4 linears x (data, scales, mins), norm1, norm2, q_norm, k_norm, qkv_bias
+};
 
+// One linear layer: one weight, or several (a fused q/k/v or gate/up whose parts are stored in different formats)
+// whose outputs are concatenated.
 struct Linear {
-  WeightView view;
+  std::vector<WeightView> parts;
+  int64_t rows = 0, cols = 0;
   bool int8_activations = false;
   void operator()(const float* x, int64_t M, float* y) const {
     if (int8_activations) {
-      linear_q8_activations(x, M, view.cols, view, y, view.rows);
+      linear_q8_activations_parts(x, M, cols, parts.data(), static_cast<int64_t>(parts.size()), y, rows);
     } else {
-      linear(x, M, view.cols, view, y, view.rows);
+      linear(x, M, cols, parts[0], y, rows);
     }
   }
 };
@@ -78,13 +84,12 @@ const float* float_ptr(const c10::optional<at::Tensor>& t, int64_t numel, const 
   return t->data_ptr<float>();
 }
 
-Linear make_linear(const std::vector<c10::optional<at::Tensor>>& w, int64_t base, int64_t format, int64_t rows,
-                   int64_t cols, const char* what) {
+WeightView make_weight(const std::vector<c10::optional<at::Tensor>>& w, int64_t base, int64_t format, int64_t rows,
+                       int64_t cols, const char* what) {
   TORCH_CHECK(w[base].has_value() && w[base]->defined(), what, " weight data is missing");
   const at::Tensor& data = w[base].value();
   TORCH_CHECK(data.is_contiguous() && data.dim() == 2, what, " data must be a contiguous 2-D tensor");
-  Linear lin;
-  WeightView& v = lin.view;
+  WeightView v;
   v.format = format;
   v.rows = rows;
   v.cols = cols;
@@ -94,7 +99,13 @@ Linear make_linear(const std::vector<c10::optional<at::Tensor>>& w, int64_t base
                     data.scalar_type() == (format == kF32 ? at::kFloat : at::kBFloat16),
                 what, " must be [", rows, ", ", cols, "] ", format == kF32 ? "float32" : "bfloat16", ", got ",
                 data.sizes(), " ", data.scalar_type());
-    return lin;
+    return v;
+  }
+  if (is_k_format(format)) {
+    v = kquant_view(data, w[base + 1], w[base + 2], format, rows);
+    TORCH_CHECK(v.cols == cols, what, ": a ", format == kQ4_K ? "Q4_K" : "Q6_K", " weight of K = ", v.cols,
+                " where ", cols, " is needed");
+    return v;
   }
   TORCH_CHECK(format == kQ8_0 || format == kQ4_1, what, ": unknown format ", format);
   const int64_t groups = (rows + 15) / 16, nb = cols / kBlock;
@@ -109,7 +120,33 @@ Linear make_linear(const std::vector<c10::optional<at::Tensor>>& w, int64_t base
                 " scales / mins must be contiguous float16 [G, nb * 16]");
     (part == 1 ? v.scales : v.mins) = reinterpret_cast<const uint16_t*>(t.data_ptr());
   }
-  lin.int8_activations = true;
+  return v;
+}
+
+bool present(const std::vector<c10::optional<at::Tensor>>& w, int64_t base) {
+  return w[base].has_value() && w[base]->defined();
+}
+
+// A linear layer of `rows` outputs from the weight triples at `first`, `first + 3`, ... (`count` parts of
+// `part_rows` rows each), or from the first alone when the others are absent (a fused matrix of all rows).
+Linear make_linear(const std::vector<c10::optional<at::Tensor>>& w, int64_t first, const int64_t* formats,
+                   const std::vector<int64_t>& part_rows, int64_t cols, const char* what) {
+  Linear lin;
+  lin.cols = cols;
+  for (int64_t r : part_rows) lin.rows += r;
+  bool fused = true;
+  for (size_t p = 1; p < part_rows.size(); ++p) fused = fused && !present(w, first + 3 * static_cast<int64_t>(p));
+  if (fused) {
+    lin.parts.push_back(make_weight(w, first, formats[0], lin.rows, cols, what));
+  } else {
+    for (size_t p = 0; p < part_rows.size(); ++p)
+      lin.parts.push_back(make_weight(w, first + 3 * static_cast<int64_t>(p), formats[p], part_rows[p], cols, what));
+  }
+  const bool block = is_block_format(lin.parts[0].format);
+  for (const WeightView& v : lin.parts)
+    TORCH_CHECK(is_block_format(v.format) == block, what, ": parts mix float and block formats");
+  TORCH_CHECK(block || lin.parts.size() == 1, what, ": float formats must be fused into one matrix");
+  lin.int8_activations = block;
   return lin;
 }
 
@@ -123,10 +160,11 @@ std::vector<at::Tensor> native_llama_forward_cpu(
   TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 2, "hidden must be [N, h] float32, got ",
               hidden.sizes(), " ", hidden.scalar_type());
   const int64_t N = hidden.size(0), hid = hidden.size(1);
-  const int64_t L = static_cast<int64_t>(formats.size()) / 4;
-  TORCH_CHECK(static_cast<int64_t>(formats.size()) == 4 * L && static_cast<int64_t>(weights.size()) == kTensorsPerLayer * L,
-              "weights must hold ", kTensorsPerLayer, " entries per layer and formats 4, got ", weights.size(), " and ",
-              formats.size());
+  const int64_t L = static_cast<int64_t>(formats.size()) / kWeightsPerLayer;
+  TORCH_CHECK(static_cast<int64_t>(formats.size()) == kWeightsPerLayer * L &&
+                  static_cast<int64_t>(weights.size()) == kTensorsPerLayer * L,
+              "weights must hold ", kTensorsPerLayer, " entries per layer and formats ", kWeightsPerLayer, ", got ",
+              weights.size(), " and ", formats.size());
   const int64_t H = num_heads, Hkv = num_kv_heads, D = head_dim, I = intermediate;
   TORCH_CHECK(H > 0 && Hkv > 0 && H % Hkv == 0 && D % 2 == 0, "bad head layout: heads ", H, ", kv heads ", Hkv,
               ", head_dim ", D);
@@ -169,16 +207,18 @@ std::vector<at::Tensor> native_llama_forward_cpu(
   for (int64_t l = 0; l < L; ++l) {
     const int64_t b = l * kTensorsPerLayer;
     Layer& ly = layers[l];
-    ly.qkv = make_linear(weights, b + 0, formats[4 * l + 0], qkv_rows, hid, "qkv");
-    ly.o = make_linear(weights, b + 3, formats[4 * l + 1], hid, H * D, "o_proj");
-    ly.gate_up = make_linear(weights, b + 6, formats[4 * l + 2], 2 * I, hid, "gate_up");
-    ly.down = make_linear(weights, b + 9, formats[4 * l + 3], hid, I, "down_proj");
-    ly.norm1 = float_ptr(weights[b + 12], hid, "input_layernorm");
-    ly.norm2 = float_ptr(weights[b + 13], hid, "post_attention_layernorm");
+    const int64_t* f = formats.data() + kWeightsPerLayer * l;
+    ly.qkv = make_linear(weights, b + 0, f + 0, {H * D, Hkv * D, Hkv * D}, hid, "qkv");
+    ly.o = make_linear(weights, b + 9, f + 3, {hid}, H * D, "o_proj");
+    ly.gate_up = make_linear(weights, b + 12, f + 4, {I, I}, hid, "gate_up");
+    ly.down = make_linear(weights, b + 18, f + 6, {hid}, I, "down_proj");
+    const int64_t n = b + 3 * kWeightsPerLayer;
+    ly.norm1 = float_ptr(weights[n + 0], hid, "input_layernorm");
+    ly.norm2 = float_ptr(weights[n + 1], hid, "post_attention_layernorm");
     TORCH_CHECK(ly.norm1 && ly.norm2, "every layer needs its two norm weights");
-    ly.q_norm = float_ptr(weights[b + 14], D, "q_norm");
-    ly.k_norm = float_ptr(weights[b + 15], D, "k_norm");
-    ly.qkv_bias = float_ptr(weights[b + 16], qkv_rows, "qkv_bias");
+    ly.q_norm = float_ptr(weights[n + 2], D, "q_norm");
+    ly.k_norm = float_ptr(weights[n + 3], D, "k_norm");
+    ly.qkv_bias = float_ptr(weights[n + 4], qkv_rows, "qkv_bias");
   }
   const float* fnorm = float_ptr(final_norm, hid, "final_norm");
   for (int64_t c : capture) TORCH_CHECK(c >= 0 && c < L, "capture layer ", c, " outside [0, ", L, ")");
@@ -296,8 +336,9 @@ std::vector<double> native_phase_times() { return std::vector<double>(g_phase_se
 
 TORCH_LIBRARY_FRAGMENT(specadapt, m) {
   // The Llama-family decoder stack over a slot KV cache (native_llama.cpp): packed tokens hidden [N, h] float32;
-  // weights: 17 optional tensors per layer (qkv, o, gate_up, down as data / scales / mins; input and
-  // post-attention norms; q_norm, k_norm, qkv_bias); formats: 4 per layer; k_cache / v_cache
+  // weights: 26 optional tensors per layer (q, k, v, o, gate, up, down as data / scales / mins, k / v / up absent
+  // when q / gate hold the fused matrix; input and post-attention norms; q_norm, k_norm, qkv_bias); formats: 7
+  // per layer; k_cache / v_cache
   // [layers, slots, kv_heads, capacity, head_dim] float32 or float16 (written at index[t]); token metadata [N] int64;
   // rope_cos / rope_sin [P, head_dim]; out_rows [M] int64: compute the last layer past its cache writes for these
   // tokens only. Returns [x after the last layer ([N, h], or [M, h] in out_rows order), final_norm(x) when given,

@@ -186,7 +186,11 @@ def run_forward_benchmark(
     machine = measure_machine()
     copy_bps = machine["copy_gbps"] * 1e9
     gemm = machine["gemm_fp32_gflops"] * 1e9
-    loaded = load_model(model_spec)
+    from ..engine.models import file_blocks_for
+
+    # the file's own blocks alone (--formats gguf) need no float32 copy of the model
+    skeleton = list(formats) == ["gguf"] and "hf" not in forwards and file_blocks_for(model_spec, "native", "gguf")
+    loaded = load_model(model_spec, file_blocks=skeleton)
     results: list[ForwardResult] = []
     tell = progress or (lambda message: None)
     head = None
@@ -234,9 +238,7 @@ def run_forward_benchmark(
                         cache.truncate(start)
 
                     head_params = sum(w.rows * w.cols for w in (native_head.input_proj, native_head.stack.lm_head)) + \
-                        sum(w.rows * w.cols for w in (native_head.stack.layers[0].qkv, native_head.stack.layers[0].o,
-                                                      native_head.stack.layers[0].gate_up,
-                                                      native_head.stack.layers[0].down))
+                        sum(w.rows * w.cols for w in native_head.stack.layers[0].matrices())
                     add("draft", "native", b, 1, c, median_seconds(draft_step, repeats), native_head.weight_bytes,
                         head_params, _kv_bytes(1, native.num_kv_heads, native.head_dim, b, c, entry))
                     del cache

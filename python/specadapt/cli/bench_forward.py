@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .common import UsageError
 
-_FORMATS = ("float32", "bfloat16", "int8", "int4")
+_FORMATS = ("float32", "bfloat16", "int8", "int4", "gguf")
 _FORWARDS = ("hf", "native", "native-compiled")
 
 

@@ -94,10 +94,12 @@ def add_engine_arguments(p) -> None:
                           "stream). Without it updates run in the background where they have compute of their own "
                           "(CUDA, or a CPU with more cores than the decoder's threads) and inline otherwise")
     p.add_argument("--seed", type=int, default=d["seed"], help="seeds the coins of verification and the draft")
-    p.add_argument("--dtype", default=d["dtype"], choices=["auto", "float32", "bfloat16", "int8", "int4"],
-                   help="weight format of target and draft: float32, bfloat16, int8 (Q8_0 blocks) or int4 (Q4_1 blocks; "
-                        "a GGUF file's own 4-bit weights), the block formats with 8-bit activations and the native "
-                        "forward only; auto: int4 for a Q4_1 GGUF file (the embedded default), else float32")
+    p.add_argument("--dtype", default=d["dtype"], choices=["auto", "float32", "bfloat16", "int8", "int4", "gguf"],
+                   help="weight format of target and draft: float32, bfloat16, int8 (Q8_0 blocks), int4 (Q4_1 blocks; "
+                        "a GGUF file's own 4-bit weights) or gguf (a GGUF file's own blocks, Q4_K / Q6_K / Q5_0 / "
+                        "Q8_0 / Q4_1, read without a float32 copy), the block formats with 8-bit activations and "
+                        "the native forward only; auto: gguf for a K-quant GGUF file (the qwen2.5-coder presets), "
+                        "int4 for a Q4_1 GGUF file (the embedded default), else float32")
     p.add_argument("--forward", default=d["forward"], choices=["auto", "native", "hf"],
                    help="native: specadapt's fused Llama-family decoder over a static slot KV cache (Llama, Mistral, "
                         "Qwen2, Qwen3); hf: transformers' forward; auto: native when the architecture is supported")
@@ -247,11 +249,12 @@ def load_target_and_draft(model: str, draft: str, sampling, seed: int, dtype: st
     import torch
 
     from ..engine import ModelLoadError, VocabularyMismatchError, build_draft, load_model
-    from ..engine.models import attach_forward, parse_dtype
+    from ..engine.models import attach_forward, file_blocks_for, parse_dtype
 
     hf_dtype = parse_dtype(dtype) if dtype in ("float32", "bfloat16") and forward == "hf" else parse_dtype("float32")
     try:
-        target = load_model(model, dtype=hf_dtype, device=device)
+        target = load_model(model, dtype=hf_dtype, device=device,
+                            file_blocks=device == "cpu" and file_blocks_for(model, forward, dtype))
     except ModelLoadError as exc:
         raise error(f"--model: {exc}") from None
     try:

@@ -8,7 +8,7 @@ import torch
 
 from ..sampling import SamplingParams
 from .drafts import Draft, ModelDraft, NgramDraft, NoDraft, check_same_vocabulary, self_draft
-from .models import LoadedModel, load_model
+from .models import LoadedModel, file_blocks_for, load_model
 
 __all__ = ["DEFAULT_DRAFT", "build_draft", "parse_draft_spec"]
 
@@ -73,14 +73,17 @@ def build_draft(
             from .native import NativeLlama
 
             draft_native = NativeLlama.from_hf(module, native_format or native.dtype_name, gguf_path=target.gguf_path,
+                                               layers=int(value) if target.skeleton else None,
                                                kv_dtype=_kv_name(native))
         return ModelDraft(module, sampling, draft_seed, name=spec, native=draft_native)
-    draft = load_model(str(value), dtype=dtype, device=device)
+    draft_format = native_format or (native.dtype_name if native is not None else None)
+    file_blocks = native is not None and draft_format in ("auto", "gguf") and file_blocks_for(str(value), "auto", "auto")
+    draft = load_model(str(value), dtype=dtype, device=device, file_blocks=file_blocks)
     check_same_vocabulary(target, draft)
     if native is not None:
         from .models import attach_forward
 
-        attach_forward(draft, "auto", native_format or native.dtype_name, _kv_name(native))
+        attach_forward(draft, "auto", "auto" if file_blocks else draft_format, _kv_name(native))
     return ModelDraft(draft.model, sampling, draft_seed, name=spec, native=draft.native)
 
 

@@ -1,26 +1,48 @@
 """A GGUF file's own quantised blocks as :class:`~.formats.PackedWeight` s, under transformers' tensor names.
 
-transformers de-quantises a GGUF file to float32 on load; the native forward can instead keep the file's Q8_0 /
-Q4_1 blocks (the target is then exactly the file's model: the same weights, de-quantised in the kernels). Block
-layouts (ggml): Q8_0 is 34 bytes per 32 values (``d`` float16, 32 int8 codes), Q4_1 is 20 bytes (``d``, ``m``
-float16, 16 bytes of nibbles). llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` for its RoPE
-layout; transformers undoes it (``LlamaTensorProcessor``), and so do we, on whole rows, which blocks (along K)
-never cross.
+transformers de-quantises a GGUF file to float32 on load; the native forward can instead keep the file's blocks
+(the target is then exactly the file's model: the same weights, de-quantised in the kernels). Block layouts
+(ggml, ``ggml-common.h``), per block along K:
+
+- Q8_0, 34 bytes per 32: ``d`` float16, 32 int8 codes; ``w = d * q``.
+- Q4_1, 20 bytes per 32: ``d``, ``m`` float16, 16 bytes of nibbles (value j low, j + 16 high); ``w = d * q + m``.
+- Q5_0, 22 bytes per 32: ``d`` float16, 32 high bits (uint32), 16 bytes of nibbles; ``w = d * (q - 16)``. Stored
+  as Q8_0 with codes ``q - 16`` and the same ``d`` (exact; 8.5 bits a weight instead of 5.5).
+- Q4_K, 144 bytes per 256: ``d``, ``dmin`` float16, 12 bytes of eight 6-bit ``sc`` / ``m`` pairs, 128 bytes of
+  nibbles (64-value chunk c: byte j's low nibble is value 64c + j, its high nibble value 64c + 32 + j);
+  ``w = (d * sc) * q - dmin * m`` per block of 32.
+- Q6_K, 210 bytes per 256: 128 bytes of low nibbles, 64 bytes of 2-bit high parts, 16 int8 ``sc`` (one per 16
+  values), ``d`` float16; ``w = (d * sc) * (q - 32)``.
+
+llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` of Llama-architecture files for its RoPE
+layout; transformers undoes it (``LlamaTensorProcessor``) and so do we, on whole rows, which blocks (along K)
+never cross. Qwen2 files are not permuted.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
-from .formats import BLOCK, PackedWeight, WeightFormat
+from .formats import BLOCK, SUPER_BLOCK, PackedWeight, WeightFormat
 
-__all__ = ["read_gguf_blocks", "GGUF_LLAMA_NAMES"]
+__all__ = ["read_gguf_blocks", "read_gguf_model", "load_gguf_model_cached", "tensor_index", "GGUFModel", "GGUF_LLAMA_NAMES", "BLOCK_TYPES",
+           "UnsupportedBlockType", "decode_tensor"]
 
 #: GGUF tensor name -> transformers name, for the Llama family (``{i}`` = layer index).
 GGUF_LLAMA_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output.weight": "lm_head.weight",
+    "output_norm.weight": "model.norm.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
     "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
     "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
     "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
@@ -30,7 +52,20 @@ GGUF_LLAMA_NAMES = {
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
 }
 
-_BLOCK_TYPES = {"Q8_0": (WeightFormat.Q8_0, 34), "Q4_1": (WeightFormat.Q4_1, 20)}
+#: GGUF block type -> (the native format it is stored in, bytes per block, values per block).
+BLOCK_TYPES = {
+    "Q8_0": (WeightFormat.Q8_0, 34, BLOCK),
+    "Q4_1": (WeightFormat.Q4_1, 20, BLOCK),
+    "Q5_0": (WeightFormat.Q8_0, 22, BLOCK),
+    "Q4_K": (WeightFormat.Q4_K, 144, SUPER_BLOCK),
+    "Q6_K": (WeightFormat.Q6_K, 210, SUPER_BLOCK),
+}
+#: architectures whose q / k rows llama.cpp's converter permutes
+_PERMUTED_QK = {"llama", "mistral"}
+
+
+class UnsupportedBlockType(ValueError):
+    """A GGUF matrix in a block type the native forward does not read (the message names the type and tensor)."""
 
 
 def _hf_name(gguf_name: str) -> str | None:
@@ -48,44 +83,221 @@ def _unpermute_rows(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, dim, 2).swapaxes(2, 1).reshape(rows)
 
 
-def read_gguf_blocks(path: str, num_heads: int, num_kv_heads: int) -> dict[str, PackedWeight]:
-    """The Q8_0 / Q4_1 matrices of a Llama-family GGUF file, keyed by transformers name.
+def _f16(raw: np.ndarray, start: int) -> torch.Tensor:
+    """float16 at byte ``start`` of every block of ``raw [..., block_bytes] uint8`` -> ``[...] float16``."""
+    return torch.from_numpy(np.ascontiguousarray(raw[..., start:start + 2]).view(np.float16)[..., 0].copy())
 
-    Tensors in other types (float32 norms, other quantisations) are left out: the caller takes those from the
-    de-quantised transformers model.
+
+def _q4_k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 12 scale bytes of Q4_K blocks ``[..., 12]`` -> ``(sc, m)`` each ``[..., 8]`` uint8 (6-bit values):
+    entries 0-3 are the low 6 bits of bytes 0-3 / 4-7; entries 4-7 take their low 4 bits from bytes 8-11 (sc:
+    low nibble, m: high nibble) and their top 2 bits from the top of bytes 0-3 / 4-7."""
+    a, b, c = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([a & 63, (c & 15) | ((a >> 6) << 4)], axis=-1)
+    m = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], axis=-1)
+    return sc, m
+
+
+def decode_tensor(type_name: str, raw: np.ndarray, rows: int, cols: int) -> PackedWeight:
+    """One GGUF matrix ``[rows, cols]`` from its bytes ``raw`` (``rows * blocks * block_bytes`` uint8) as a
+    :class:`PackedWeight` in the format of :data:`BLOCK_TYPES`.
+
+    Raises:
+        UnsupportedBlockType: a type not in :data:`BLOCK_TYPES`.
+        ValueError: ``raw``'s size does not fit the shape, or ``cols`` is not a multiple of the block.
+    """
+    if type_name not in BLOCK_TYPES:
+        raise UnsupportedBlockType(f"GGUF block type {type_name} is not read by the native forward "
+                                   f"(supported: {', '.join(BLOCK_TYPES)})")
+    fmt, block_bytes, per = BLOCK_TYPES[type_name]
+    if cols % per:
+        raise ValueError(f"a {type_name} matrix needs K divisible by {per}, got {cols}")
+    nblk = cols // per
+    raw = np.asarray(raw).reshape(-1)
+    if raw.size != rows * nblk * block_bytes:
+        raise ValueError(f"{raw.size} bytes do not hold a {rows} x {cols} {type_name} matrix")
+    raw = raw.reshape(rows, nblk, block_bytes)
+    if type_name == "Q8_0":
+        codes = torch.from_numpy(np.ascontiguousarray(raw[:, :, 2:]).view(np.int8).reshape(rows, cols).copy())
+        return PackedWeight.from_blocks(fmt, codes, _f16(raw, 0))
+    if type_name == "Q4_1":
+        nibbles = raw[:, :, 4:]  # [N, nb, 16]: element j low, j + 16 high
+        codes = torch.from_numpy(np.concatenate([nibbles & 15, nibbles >> 4], axis=2).reshape(rows, cols).copy())
+        return PackedWeight.from_blocks(fmt, codes, _f16(raw, 0), _f16(raw, 2))
+    if type_name == "Q5_0":
+        high = np.ascontiguousarray(raw[:, :, 2:6]).view(np.uint32)  # [N, nb, 1]
+        bits = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [N, nb, 32]
+        nibbles = raw[:, :, 6:]
+        low = np.concatenate([nibbles & 15, nibbles >> 4], axis=2)
+        codes = (low | (bits << 4)).astype(np.int8) - np.int8(16)
+        return PackedWeight.from_blocks(fmt, torch.from_numpy(codes.reshape(rows, cols)), _f16(raw, 0))
+    if type_name == "Q4_K":
+        sc, m = _q4_k_scales(raw[:, :, 4:16])
+        qs = raw[:, :, 16:].reshape(rows, nblk, 4, 1, 32)
+        codes = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(rows, cols)  # sub-block 2c low, 2c + 1 high
+        return PackedWeight.from_kquant(fmt, torch.from_numpy(codes), _f16(raw, 0),
+                                        torch.from_numpy(sc.reshape(rows, nblk * 8)), dmin=_f16(raw, 2),
+                                        m=torch.from_numpy(m.reshape(rows, nblk * 8)))
+    # Q6_K: in each half of 128 values, value 32k + l takes its low nibble from ql[l] (k = 0), ql[32 + l] (1), their
+    # high nibbles (2, 3), and its top 2 bits from bits 2k..2k+1 of qh[l]
+    ql = raw[:, :, 0:128].reshape(rows, nblk, 2, 1, 64)
+    low = np.concatenate([ql & 15, ql >> 4], axis=3).reshape(rows, nblk, 2, 128)
+    qh = raw[:, :, 128:192].reshape(rows, nblk, 2, 1, 32)
+    high = ((qh >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 1, 4, 1)) & 3).reshape(rows, nblk, 2, 128)
+    codes = (low | (high << 4)).reshape(rows, cols)
+    sc = np.ascontiguousarray(raw[:, :, 192:208]).view(np.int8).reshape(rows, nblk * 16)
+    return PackedWeight.from_kquant(fmt, torch.from_numpy(codes), _f16(raw, 208), torch.from_numpy(sc.copy()))
+
+
+@dataclass
+class GGUFModel:
+    """What :func:`read_gguf_model` read: block matrices and float32 vectors (norms, biases) under transformers'
+    names, the architecture, and the matrices left out (name -> GGUF type) because their type is not read."""
+
+    architecture: str
+    matrices: dict[str, PackedWeight] = field(default_factory=dict)
+    vectors: dict[str, torch.Tensor] = field(default_factory=dict)
+    unsupported: dict[str, str] = field(default_factory=dict)
+    types: dict[str, str] = field(default_factory=dict)  # transformers name -> GGUF type of every matrix
+
+
+def tensor_index(path: str) -> dict:
+    """``{"architecture": str, "tensors": {gguf name: [type name, [dims], byte offset, bytes]}}`` of a GGUF file.
+
+    Parsing a GGUF header builds every metadata field (the tokenizer's 151,936 tokens and merges take several
+    seconds), so the index is cached beside the other derived files of the file
+    (:func:`specadapt.engine.gguf_load.derived_cache_dir`) and read from there later.
+    """
+    import json
+
+    from ..gguf_load import derived_cache_dir
+
+    cached = derived_cache_dir(path) / "index.json"
+    if cached.is_file():
+        return json.loads(cached.read_text())
+    import gguf  # a transformers dependency for GGUF loading; read-only use
+
+    reader = gguf.GGUFReader(path)
+    field_ = reader.fields.get("general.architecture")
+    arch = bytes(field_.parts[field_.data[0]]).decode() if field_ is not None else "?"
+    index = {"architecture": arch,
+             "tensors": {t.name: [t.tensor_type.name, [int(v) for v in t.shape], int(t.data_offset), int(t.n_bytes)]
+                         for t in reader.tensors}}
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(".tmp")
+    tmp.write_text(json.dumps(index))
+    tmp.replace(cached)
+    return index
+
+
+def read_gguf_model(path: str, num_heads: int, num_kv_heads: int, types: set[str] | None = None,
+                    layers: int | None = None) -> GGUFModel:
+    """Every tensor of a Llama-family GGUF file that the native forward reads, keyed by transformers name.
 
     Args:
         path: the ``.gguf`` file.
-        num_heads, num_kv_heads: the model's attention heads (for the q / k row permutation).
+        num_heads, num_kv_heads: the model's attention heads (for the q / k row permutation of Llama files).
+        types: read only matrices of these GGUF block types (``None``: every type in :data:`BLOCK_TYPES`);
+            others are listed in ``unsupported`` when not in :data:`BLOCK_TYPES`.
+        layers: read only decoder layers ``< layers`` (``None``: all).
 
     Raises:
         ValueError: a block tensor whose byte size does not fit its shape.
     """
-    import gguf  # a transformers dependency for GGUF loading; read-only use
-
-    reader = gguf.GGUFReader(path)
-    out: dict[str, PackedWeight] = {}
-    for tensor in reader.tensors:
-        kind = _BLOCK_TYPES.get(tensor.tensor_type.name)
-        name = _hf_name(tensor.name)
-        if kind is None or name is None:
+    index = tensor_index(path)
+    arch = index["architecture"]
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    out = GGUFModel(architecture=arch)
+    for gguf_name, (kind, shape, offset, nbytes) in index["tensors"].items():
+        name = _hf_name(gguf_name)
+        if name is None:
             continue
-        fmt, block_bytes = kind
-        cols, rows = (int(v) for v in tensor.shape[:2])  # ggml lists the fastest-varying dimension first
-        raw = np.asarray(tensor.data)
-        if raw.size != rows * (cols // BLOCK) * block_bytes:
-            raise ValueError(f"{tensor.name}: {raw.size} bytes do not hold a {rows} x {cols} {fmt.name} matrix")
-        raw = raw.reshape(rows, cols // BLOCK, block_bytes)
-        if ".attn_q." in tensor.name or ".attn_k." in tensor.name:
-            heads = num_heads if ".attn_q." in tensor.name else num_kv_heads
-            raw = raw[_unpermute_rows(rows, heads)]
-        d = torch.from_numpy(np.ascontiguousarray(raw[:, :, 0:2]).view(np.float16)[..., 0].copy())
-        if fmt == WeightFormat.Q8_0:
-            codes = torch.from_numpy(np.ascontiguousarray(raw[:, :, 2:]).view(np.int8).reshape(rows, cols).copy())
-            out[name] = PackedWeight.from_blocks(fmt, codes, d)
-        else:
-            m = torch.from_numpy(np.ascontiguousarray(raw[:, :, 2:4]).view(np.float16)[..., 0].copy())
-            nibbles = np.ascontiguousarray(raw[:, :, 4:])  # [N, nb, 16]: element j low, j + 16 high
-            codes = torch.from_numpy(np.concatenate([nibbles & 15, nibbles >> 4], axis=2).reshape(rows, cols).copy())
-            out[name] = PackedWeight.from_blocks(fmt, codes, d, m)
+        if layers is not None and name.startswith("model.layers.") and int(name.split(".")[2]) >= layers:
+            continue
+        raw = data[offset:offset + nbytes]
+        if kind in ("F32", "F16") and len(shape) == 1:
+            dtype = np.float32 if kind == "F32" else np.float16
+            out.vectors[name] = torch.from_numpy(np.frombuffer(raw, dtype=dtype).astype(np.float32))
+            continue
+        out.types[name] = kind
+        if kind not in BLOCK_TYPES:
+            out.unsupported[name] = kind
+            continue
+        if types is not None and kind not in types:
+            continue
+        cols, rows = shape[:2]  # ggml lists the fastest-varying dimension first
+        try:
+            if arch in _PERMUTED_QK and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+                heads = num_heads if ".attn_q." in gguf_name else num_kv_heads
+                raw = np.asarray(raw).reshape(rows, -1)[_unpermute_rows(rows, heads)]
+            out.matrices[name] = decode_tensor(kind, np.asarray(raw), rows, cols)
+        except ValueError as exc:
+            raise ValueError(f"{gguf_name}: {exc}") from None
     return out
+
+
+_CACHE_FILE = "blocks.safetensors"
+
+
+def load_gguf_model_cached(path: str, num_heads: int, num_kv_heads: int, layers: int | None = None) -> GGUFModel:
+    """:func:`read_gguf_model` of every supported type, through a cache of the decoded, interleaved blocks.
+
+    The first call decodes the file's blocks (about 15 s for a 1.1 GB file on our CPUs) and saves them with
+    safetensors into the file's derived cache directory (``blocks.safetensors``, about the file's size); later
+    calls read that back. Set ``SPECADAPT_NO_BLOCK_CACHE=1`` to decode every time.
+    """
+    import json
+    import os
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from ..gguf_load import derived_cache_dir
+
+    cached = derived_cache_dir(path) / _CACHE_FILE
+    use_cache = os.environ.get("SPECADAPT_NO_BLOCK_CACHE", "") in ("", "0")
+    if use_cache and cached.is_file():
+        out = GGUFModel(architecture="")
+        with safe_open(str(cached), framework="pt") as f:
+            meta = json.loads(f.metadata()["specadapt"])
+            out.architecture, out.types, out.unsupported = meta["architecture"], meta["types"], meta["unsupported"]
+            keep = lambda n: layers is None or not n.startswith("model.layers.") or int(n.split(".")[2]) < layers  # noqa: E731
+            for name, (fmt, rows) in meta["matrices"].items():
+                if keep(name):
+                    parts = [f.get_tensor(f"{name}::{k}") if f"{name}::{k}" in meta["keys"] else None
+                             for k in ("data", "scales", "mins")]
+                    out.matrices[name] = PackedWeight(WeightFormat(fmt), parts[0], parts[1], parts[2], rows)
+            for name in meta["vectors"]:
+                if keep(name):
+                    out.vectors[name] = f.get_tensor(f"{name}::vector")
+        return out
+    out = read_gguf_model(path, num_heads, num_kv_heads)
+    if use_cache:
+        tensors, keys = {}, []
+        for name, w in out.matrices.items():
+            for k, t in zip(("data", "scales", "mins"), w.tensors()):
+                if t is not None:
+                    tensors[f"{name}::{k}"] = t.contiguous()
+                    keys.append(f"{name}::{k}")
+        for name, v in out.vectors.items():
+            tensors[f"{name}::vector"] = v.contiguous()
+        meta = {"architecture": out.architecture, "types": out.types, "unsupported": out.unsupported,
+                "matrices": {n: [int(w.format), w.rows] for n, w in out.matrices.items()},
+                "vectors": list(out.vectors), "keys": keys}
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(".tmp")
+        save_file(tensors, str(tmp), metadata={"specadapt": json.dumps(meta)})
+        tmp.replace(cached)
+    if layers is not None:
+        drop = [n for n in list(out.matrices) + list(out.vectors)
+                if n.startswith("model.layers.") and int(n.split(".")[2]) >= layers]
+        for n in drop:
+            out.matrices.pop(n, None)
+            out.vectors.pop(n, None)
+    return out
+
+
+def read_gguf_blocks(path: str, num_heads: int, num_kv_heads: int) -> dict[str, PackedWeight]:
+    """The Q8_0 / Q4_1 matrices of a Llama-family GGUF file, keyed by transformers name (the embedded default's
+    ``int4`` path: other types are left to the de-quantised transformers model)."""
+    return read_gguf_model(path, num_heads, num_kv_heads, types={"Q8_0", "Q4_1"}).matrices

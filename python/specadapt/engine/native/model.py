@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .formats import RUN_FORMATS, PackedWeight, WeightFormat, linear_reference, pack_weight
+from .formats import FILE_FORMAT, RUN_FORMATS, PackedWeight, WeightFormat, linear_reference, pack_weight
 
 logger = logging.getLogger(__name__)
 
@@ -111,11 +111,29 @@ def run_linear(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     return linear_reference(x, weight)
 
 
+#: A linear layer: one matrix, or the parts of a fused q/k/v or gate/up stored in different formats (their outputs
+#: are concatenated; the kernels quantise the activations once for all parts).
+Linear = "PackedWeight | list[PackedWeight]"
+
+
+def linear_parts(w) -> list[PackedWeight]:
+    """The matrices of a :data:`Linear` (a one-element list for a single matrix)."""
+    return list(w) if isinstance(w, (list, tuple)) else [w]
+
+
+def run_linear_parts(x: torch.Tensor, w) -> torch.Tensor:
+    """:func:`run_linear` of a :data:`Linear`: ``x [..., K]`` -> ``[..., sum of the parts' rows]``."""
+    parts = linear_parts(w)
+    if len(parts) == 1:
+        return run_linear(x, parts[0])
+    return torch.cat([run_linear(x, p) for p in parts], dim=-1)
+
+
 @dataclass
 class _Layer:
-    qkv: PackedWeight
+    qkv: object  # a Linear: one fused matrix or [q, k, v]
     o: PackedWeight
-    gate_up: PackedWeight
+    gate_up: object  # a Linear: one fused matrix or [gate, up]
     down: PackedWeight
     norm1: torch.Tensor
     norm2: torch.Tensor
@@ -123,22 +141,33 @@ class _Layer:
     k_norm: torch.Tensor | None = None
     qkv_bias: torch.Tensor | None = None
 
+    def _slots(self) -> list:
+        """The op's 7 weight slots (q, k, v, o, gate, up, down): fused matrices fill the first of theirs."""
+        def spread(w, n: int) -> list:
+            parts = linear_parts(w)
+            return parts + [None] * (n - len(parts))
+        return spread(self.qkv, 3) + [self.o] + spread(self.gate_up, 2) + [self.down]
+
     def op_tensors(self) -> list:
         out: list = []
-        for w in (self.qkv, self.o, self.gate_up, self.down):
-            out.extend(w.tensors())
+        for w in self._slots():
+            out.extend(w.tensors() if w is not None else (None, None, None))
         return out + [self.norm1, self.norm2, self.q_norm, self.k_norm, self.qkv_bias]
 
     def formats(self) -> list[int]:
-        return [int(w.format) for w in (self.qkv, self.o, self.gate_up, self.down)]
+        return [int(w.format) if w is not None else -1 for w in self._slots()]
 
     def to(self, device) -> "_Layer":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return _Layer(self.qkv.to(device), self.o.to(device), self.gate_up.to(device), self.down.to(device),
+        move_linear = lambda w: w.to(device) if not isinstance(w, list) else [p.to(device) for p in w]  # noqa: E731
+        return _Layer(move_linear(self.qkv), self.o.to(device), move_linear(self.gate_up), self.down.to(device),
                       move(self.norm1), move(self.norm2), move(self.q_norm), move(self.k_norm), move(self.qkv_bias))
 
+    def matrices(self) -> list[PackedWeight]:
+        return [w for w in self._slots() if w is not None]
+
     def nbytes(self) -> int:
-        return sum(w.nbytes for w in (self.qkv, self.o, self.gate_up, self.down))
+        return sum(w.nbytes for w in self.matrices())
 
 
 class NativeLlama:
@@ -208,6 +237,11 @@ class NativeLlama:
         """
         if dtype_name not in RUN_FORMATS:
             raise ValueError(f"dtype must be one of {sorted(RUN_FORMATS)} for the native forward, got {dtype_name!r}")
+        if dtype_name == FILE_FORMAT:
+            if gguf_path is None:
+                raise ValueError("--dtype gguf needs a model loaded from a .gguf file")
+            rotary = type(model.model.rotary_emb)(config=model.config)  # on the CPU, even for a meta skeleton
+            return cls.from_gguf(gguf_path, model.config, rotary, layers=layers, kv_dtype=kv_dtype)
         kv_choices = {"float32": torch.float32, "float16": torch.float16}
         if kv_dtype == "auto":
             kv_dtype = "float16" if RUN_FORMATS[dtype_name][0].is_block else "float32"
@@ -264,6 +298,83 @@ class NativeLlama:
                    cos[0].float().contiguous(), sin[0].float().contiguous(), dtype_name, int8, source,
                    kv_choices[kv_dtype])
 
+    @classmethod
+    def from_gguf(cls, path: str, config, rotary_emb: torch.nn.Module, layers: int | None = None,
+                  kv_dtype: str = "auto") -> "NativeLlama":
+        """Build from a GGUF file's own blocks, with no float32 copy of the model (``--dtype gguf``): every
+        matrix in its file type (:data:`~.gguf_blocks.BLOCK_TYPES`; Q5_0 as Q8_0), fused q/k/v and gate/up kept
+        as parts where their types differ, norms and Qwen2 biases from the file's float32 vectors, the LM head
+        the file's ``output.weight`` (or the embedding when tied).
+
+        Args:
+            path: the ``.gguf`` file; config: its transformers config; rotary_emb: a transformers rotary
+                embedding module for ``config`` (on the CPU) giving the RoPE tables.
+            layers: keep only the first ``layers`` decoder layers (``self:N`` drafts).
+            kv_dtype: ``auto`` (float16), ``float16`` or ``float32``.
+
+        Raises:
+            NativeUnsupported: an unsupported architecture, or a matrix in a block type the kernels lack (the
+                message names the type and the tensor).
+            ValueError: a bad ``kv_dtype`` or a tensor missing from the file.
+        """
+        from .gguf_blocks import BLOCK_TYPES, load_gguf_model_cached
+
+        reason = native_support(config)
+        if reason is not None:
+            raise NativeUnsupported(f"--forward native cannot run {path}: {reason}")
+        kv_choices = {"auto": torch.float16, "float16": torch.float16, "float32": torch.float32}
+        if kv_dtype not in kv_choices:
+            raise ValueError(f"kv_dtype must be auto, float32 or float16, got {kv_dtype!r}")
+        heads = int(config.num_attention_heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        read = load_gguf_model_cached(path, heads, kv_heads, layers=layers)
+        if read.unsupported:
+            name, kind = next(iter(read.unsupported.items()))
+            raise NativeUnsupported(f"--dtype gguf: {path} holds {name} in block type {kind}, which the native "
+                                    f"forward does not read (it reads {', '.join(BLOCK_TYPES)}); "
+                                    f"{len(read.unsupported)} such matrices")
+
+        def matrix(name: str) -> PackedWeight:
+            if name not in read.matrices:
+                raise ValueError(f"{path}: no tensor for {name}")
+            return read.matrices[name]
+
+        def vector(name: str, required: bool = True) -> torch.Tensor | None:
+            if name not in read.vectors:
+                if required:
+                    raise ValueError(f"{path}: no tensor for {name}")
+                return None
+            return read.vectors[name].contiguous()
+
+        keep = int(config.num_hidden_layers) if layers is None else layers
+        native_layers = []
+        for i in range(keep):
+            p = f"model.layers.{i}."
+            biases = [vector(p + f"self_attn.{x}_proj.bias", required=False) for x in "qkv"]
+            native_layers.append(_Layer(
+                qkv=fuse_rows([matrix(p + f"self_attn.{x}_proj.weight") for x in "qkv"]),
+                o=matrix(p + "self_attn.o_proj.weight"),
+                gate_up=fuse_rows([matrix(p + "mlp.gate_proj.weight"), matrix(p + "mlp.up_proj.weight")]),
+                down=matrix(p + "mlp.down_proj.weight"),
+                norm1=vector(p + "input_layernorm.weight"), norm2=vector(p + "post_attention_layernorm.weight"),
+                q_norm=vector(p + "self_attn.q_norm.weight", required=False),
+                k_norm=vector(p + "self_attn.k_norm.weight", required=False),
+                qkv_bias=torch.cat(biases).contiguous() if all(b is not None for b in biases) else None,
+            ))
+        embed = matrix("model.embed_tokens.weight")
+        lm_head = read.matrices.get("lm_head.weight", embed)
+        positions = int(getattr(config, "max_position_embeddings", 0) or 8192)
+        with torch.no_grad():
+            cos, sin = rotary_emb(torch.zeros(1), torch.arange(positions)[None])
+        kinds = sorted(set(read.types.values()))
+        logger.info("native forward: %s from %s, file blocks (%s), %d layers, %.1f MB of weights",
+                    getattr(config, "model_type", "?"), path, ", ".join(kinds), len(native_layers),
+                    (sum(l.nbytes() for l in native_layers) + embed.nbytes +
+                     (0 if lm_head is embed else lm_head.nbytes)) / 1e6)
+        return cls(config, native_layers, embed, lm_head, vector("model.norm.weight"), cos[0].float().contiguous(),
+                   sin[0].float().contiguous(), "gguf", True, f"the file's own blocks ({', '.join(kinds)})",
+                   kv_choices[kv_dtype])
+
     # ---- sizes -----------------------------------------------------------------------------------------------
     @property
     def weight_bytes(self) -> int:
@@ -273,7 +384,7 @@ class NativeLlama:
 
     @property
     def num_parameters(self) -> int:
-        per_layer = sum(w.rows * w.cols for l in self.layers for w in (l.qkv, l.o, l.gate_up, l.down))
+        per_layer = sum(w.rows * w.cols for l in self.layers for w in l.matrices())
         return per_layer + self.lm_head.rows * self.lm_head.cols
 
     def new_kv(self, slots: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -364,11 +475,22 @@ def new_kv_tensors(layers: int, slots: int, kv_heads: int, capacity: int, head_d
     return k, v
 
 
-def fuse_rows(parts: list[PackedWeight]) -> PackedWeight:
-    """Stack matrices of one format along their rows (fused q/k/v or gate/up)."""
+def fuse_rows(parts: list[PackedWeight]):
+    """Stack matrices along their rows (fused q/k/v or gate/up): one :class:`PackedWeight` when they share a
+    format, else the list of parts (a :data:`Linear` the kernels run as one layer)."""
     fmt = parts[0].format
+    if any(p.format != fmt for p in parts):
+        return list(parts)
     if not fmt.is_block:
         return PackedWeight(fmt, torch.cat([p.data for p in parts]).contiguous())
+    if all(p.rows % 16 == 0 for p in parts[:-1]):  # whole groups: the storage concatenates as it is
+        cat = lambda ts: None if ts[0] is None else torch.cat(ts).contiguous()  # noqa: E731
+        return PackedWeight(fmt, cat([p.data for p in parts]), cat([p.scales for p in parts]),
+                            cat([p.mins for p in parts]), sum(p.rows for p in parts))
+    if fmt.is_k:
+        keys = parts[0].kquant_parts().keys()
+        pieces = [p.kquant_parts() for p in parts]
+        return PackedWeight.from_kquant(fmt, **{k: torch.cat([q[k] for q in pieces]) for k in keys})
     codes = [p.block_codes() for p in parts]
     cat = lambda i: None if codes[0][i] is None else torch.cat([c[i] for c in codes])  # noqa: E731
     return PackedWeight.from_blocks(fmt, cat(0), cat(1), cat(2))
@@ -404,6 +526,9 @@ def refresh_layer(target: _Layer, layer) -> None:
     publishes): kernels and captured graphs holding those tensors then see the new weights. Fused matrices are
     packed from their concatenation (block quantisation is per row, so that equals fusing packed parts)."""
     attn, mlp = layer.self_attn, layer.mlp
+    if isinstance(target.qkv, list) or isinstance(target.gate_up, list) or target.qkv.format.is_k:
+        raise ValueError("a model in a GGUF file's own K-quant blocks cannot be re-packed after training "
+                         "(Test-Time Speculation adapts Q8_0 / Q4_1 / float drafts)")
     fmt = target.qkv.format
     with torch.no_grad():
         qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).float()
@@ -451,7 +576,7 @@ def layers_reference(model: NativeLlama, hidden: torch.Tensor, batch: TokenBatch
         if i in capture:
             captured[i] = x.clone()
         h = _rms(x, layer.norm1, model.eps)
-        qkv = run_linear(h, layer.qkv)
+        qkv = run_linear_parts(h, layer.qkv)
         if layer.qkv_bias is not None:
             qkv = qkv + layer.qkv_bias
         q = qkv[:, : H * D].view(n, H, D)
@@ -471,7 +596,7 @@ def layers_reference(model: NativeLlama, hidden: torch.Tensor, batch: TokenBatch
             q[:, :, None], ks, vs, attn_mask=mask, scale=model.attn_scale, enable_gqa=True)  # [N, H, 1, D]
         x = x + run_linear(attn.reshape(n, H * D), layer.o)
         h = _rms(x, layer.norm2, model.eps)
-        gu = run_linear(h, layer.gate_up)
+        gu = run_linear_parts(h, layer.gate_up)
         gate, up = gu.chunk(2, dim=-1)
         x = x + run_linear(torch.nn.functional.silu(gate) * up, layer.down)
     normed = _rms(x, model.final_norm, model.eps) if final_norm else None
