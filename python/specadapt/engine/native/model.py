@@ -317,17 +317,28 @@ class NativeLlama:
                 message names the type and the tensor).
             ValueError: a bad ``kv_dtype`` or a tensor missing from the file.
         """
-        from .gguf_blocks import BLOCK_TYPES, load_gguf_model_cached
+        from .gguf_blocks import load_gguf_model_cached
 
         reason = native_support(config)
         if reason is not None:
             raise NativeUnsupported(f"--forward native cannot run {path}: {reason}")
-        kv_choices = {"auto": torch.float16, "float16": torch.float16, "float32": torch.float32}
-        if kv_dtype not in kv_choices:
+        if kv_dtype not in ("auto", "float16", "float32"):
             raise ValueError(f"kv_dtype must be auto, float32 or float16, got {kv_dtype!r}")
         heads = int(config.num_attention_heads)
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
         read = load_gguf_model_cached(path, heads, kv_heads, layers=layers)
+        return cls.from_gguf_model(read, config, rotary_emb, path, layers=layers, kv_dtype=kv_dtype)
+
+    @classmethod
+    def from_gguf_model(cls, read, config, rotary_emb: torch.nn.Module, path: str = "a GGUF file",
+                        layers: int | None = None, kv_dtype: str = "auto") -> "NativeLlama":
+        """:meth:`from_gguf` from what :func:`~.gguf_blocks.read_gguf_model` read (``read``, a
+        :class:`~.gguf_blocks.GGUFModel`); ``path`` names the source in messages. Raises as :meth:`from_gguf`."""
+        from .gguf_blocks import BLOCK_TYPES
+
+        kv_choices = {"auto": torch.float16, "float16": torch.float16, "float32": torch.float32}
+        if kv_dtype not in kv_choices:
+            raise ValueError(f"kv_dtype must be auto, float32 or float16, got {kv_dtype!r}")
         if read.unsupported:
             name, kind = next(iter(read.unsupported.items()))
             raise NativeUnsupported(f"--dtype gguf: {path} holds {name} in block type {kind}, which the native "
