@@ -24,19 +24,28 @@ def _fmt(v, spec=".2f"):
 
 
 def table(reports: list[dict]) -> str:
+    """One row per report: end-to-end tok/s and speedup, then decode tok/s (the rounds only) and the decode speedup
+    (the report's ``speedup``). Reports written before prefill and decode were timed apart have no
+    ``end_to_end_speedup``: their ``speedup`` was end to end, and their decode columns are blank."""
     edges = [b["start"] for b in reports[0]["summary"]["acceptance_by_position"] if b["rounds"]] if reports else []
     head = (
-        "| draft | T | acc. length | tok/s | target-only tok/s | speedup | repeat rate | "
+        "| draft | T | acc. length | tok/s | target-only tok/s | end-to-end speedup | decode tok/s | "
+        "target-only decode tok/s | decode speedup | repeat rate | "
         + " | ".join(f"acc. len [{e}, …)" for e in edges)
         + " |"
     )
-    lines = [head, "|" + "---|" * (7 + len(edges))]
+    lines = [head, "|" + "---|" * (10 + len(edges))]
     for r in reports:
         c, s = r["config"], r["summary"]
         by_pos = {b["start"]: b["acceptance_length"] for b in s["acceptance_by_position"]}
+        timed_apart = "end_to_end_speedup" in s
+        end_to_end = s["end_to_end_speedup"] if timed_apart else s["speedup"]
+        decode = s["speedup"] if timed_apart else None
         lines.append(
             f"| {c['draft']} | {c['temperature']} | {_fmt(s['acceptance_length'])} | {_fmt(s['tokens_per_s'], '.1f')} | "
-            f"{_fmt(s['baseline_tokens_per_s'], '.1f')} | {_fmt(s['speedup'])} | {_fmt(s['ngram_repeat_rate'])} | "
+            f"{_fmt(s['baseline_tokens_per_s'], '.1f')} | {_fmt(end_to_end)} | "
+            f"{_fmt(s.get('decode_tokens_per_s'), '.1f')} | {_fmt(s.get('baseline_decode_tokens_per_s'), '.1f')} | "
+            f"{_fmt(decode)} | {_fmt(s['ngram_repeat_rate'])} | "
             + " | ".join(_fmt(by_pos.get(e)) for e in edges)
             + " |"
         )

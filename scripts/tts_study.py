@@ -57,7 +57,8 @@ def table(reports: list[dict], baseline_tps: float | None, buckets=TABLE_BUCKETS
     (``context``, long sessions)."""
     where = "context" if context else "output"
     head = ("| setting | acc. len | " + " | ".join(f"{where} [{a}, {b})" for a, b in buckets)
-            + " | tok/s | speedup vs target-only | repeat rate | tokens past first EOS | updates / skipped / rollbacks"
+            + " | tok/s | end-to-end speedup vs target-only | repeat rate | tokens past first EOS"
+              " | updates / skipped / rollbacks"
               " | publish wait s | TTS MB (x trainable) |")
     lines = [head, "|" + "---|" * (9 + len(buckets))]
     for r in reports:

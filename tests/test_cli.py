@@ -111,9 +111,12 @@ def test_generate_end_to_end_writes_json(capsys, tiny_model_dir, tmp_path, draft
     assert len(req["accept_rate_by_draft_position"]) == (1 if draft == "ngram" else 5)
     assert report["config"]["num_draft_tokens"] == (1 if draft == "ngram" else 5)
     s = report["summary"]
-    for key in ("acceptance_length", "tokens_per_s", "baseline_tokens_per_s", "speedup", "ngram_repeat_rate"):
+    for key in ("acceptance_length", "tokens_per_s", "baseline_tokens_per_s", "speedup", "end_to_end_speedup",
+                "decode_tokens_per_s", "baseline_decode_tokens_per_s", "ngram_repeat_rate"):
         assert s[key] is not None
-    assert s["speedup"] == pytest.approx(s["tokens_per_s"] / s["baseline_tokens_per_s"])
+    # speedup on decode tokens/s (tests/test_prefill_decode.py), the end-to-end ratio beside it
+    assert s["speedup"] == pytest.approx(s["decode_tokens_per_s"] / s["baseline_decode_tokens_per_s"])
+    assert s["end_to_end_speedup"] == pytest.approx(s["tokens_per_s"] / s["baseline_tokens_per_s"])
     assert s["acceptance_length"] >= 1.0
     assert report["config"]["draft"] == draft
     # the default paired baseline decodes exactly the speculative run's text, token for token

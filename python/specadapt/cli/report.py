@@ -6,10 +6,21 @@ JSON layout::
      "requests": [{"id", "prompt_tokens", "output_tokens", "rounds", "acceptance_length", "tokens_per_s",
                    "acceptance_by_position": [{"start", "end", "rounds", "acceptance_length"}],
                    "accept_rate_by_draft_position": [...], "ngram_repeat_rate", "finished_by_eos", "text"}],
-     "summary": {"acceptance_length", "tokens_per_s", "baseline_tokens_per_s", "speedup", "ngram_repeat_rate",
+     "summary": {"acceptance_length", "tokens_per_s", "baseline_tokens_per_s", "speedup", "end_to_end_speedup",
+                 "prefill_tokens", "prefill_seconds", "prefill_tokens_per_s", "decode_seconds", "decode_tokens_per_s",
+                 "baseline_prefill_tokens", "baseline_prefill_seconds", "baseline_prefill_tokens_per_s",
+                 "baseline_decode_seconds", "baseline_decode_tokens_per_s", "ngram_repeat_rate",
                  "acceptance_by_position", "accept_rate_by_draft_position", "output_tokens", "rounds",
                  "seconds", "baseline_seconds", "baseline_ngram_repeat_rate",
                  "share_past_first_eos" (--ignore-eos runs; else null)}}
+
+``tokens_per_s`` / ``seconds`` are end to end (output tokens over the whole run's wall time, prefill included).
+``prefill_*`` and ``decode_*`` come from the engine's :class:`~specadapt.engine.loop.PhaseTimes`: prefill = the
+joins (the prompts' target forward and the draft's own prefill), ``prefill_tokens`` the prompt tokens prefilled;
+decode = the rounds, ``decode_tokens_per_s`` = tokens emitted per second of rounds. ``speedup`` is the ratio of
+decode tokens/s (speculative over target-only), ``end_to_end_speedup`` the ratio of ``tokens_per_s`` (what
+``speedup`` meant before prefill and decode were timed apart). The ``baseline_`` keys are the target-only run's;
+every baseline key is null without ``--baseline``.
 """
 
 from __future__ import annotations
@@ -40,11 +51,26 @@ def _repeat_rate_over(results) -> float | None:
     return hits / total if total else None
 
 
+def _phase_summary(phases, prefix: str = "") -> dict:
+    """The summary's prefill / decode keys of one run's :class:`~specadapt.engine.loop.PhaseTimes` (all null for
+    ``None``)."""
+    return {
+        f"{prefix}prefill_tokens": phases.prefill_tokens if phases is not None else None,
+        f"{prefix}prefill_seconds": phases.prefill_seconds if phases is not None else None,
+        f"{prefix}prefill_tokens_per_s": phases.prefill_tokens_per_s if phases is not None else None,
+        f"{prefix}decode_seconds": phases.decode_seconds if phases is not None else None,
+        f"{prefix}decode_tokens_per_s": phases.decode_tokens_per_s if phases is not None else None,
+    }
+
+
 def build_report(config, prompts, tokenizer, results, seconds, base_results, base_seconds, edges, num_draft_tokens,
-                 eos_ids=None):
+                 eos_ids=None, phases=None, base_phases=None):
     """Assemble the JSON-able report of one run (see the module docstring for the layout). ``eos_ids`` (given for
     ``--ignore-eos`` runs) adds each request's ``tokens_past_first_eos`` and the summary's
-    ``share_past_first_eos``: the share of output tokens generated after the first natural EOS."""
+    ``share_past_first_eos``: the share of output tokens generated after the first natural EOS. ``phases`` /
+    ``base_phases``: the speculative and the target-only engine's
+    :class:`~specadapt.engine.loop.PhaseTimes` of the run (``None``: the prefill / decode keys and ``speedup``,
+    which is on decode tokens/s, are null)."""
     requests = []
     for prompt, res in zip(prompts, results):
         requests.append(
@@ -70,11 +96,18 @@ def build_report(config, prompts, tokenizer, results, seconds, base_results, bas
     base_tps = None
     if base_results is not None and base_seconds:
         base_tps = sum(len(res.output_ids) for res in base_results) / base_seconds
+    phase = _phase_summary(phases)
+    base_phase = _phase_summary(base_phases if base_results is not None else None, "baseline_")
+    decode_tps, base_decode_tps = phase["decode_tokens_per_s"], base_phase["baseline_decode_tokens_per_s"]
     summary = {
         "acceptance_length": acceptance_length(all_rounds),
         "tokens_per_s": tps,
         "baseline_tokens_per_s": base_tps,
-        "speedup": tps / base_tps if tps and base_tps else None,
+        # on decode tokens/s (the rounds only): prefill, the same prompt forward in both runs, is left out
+        "speedup": decode_tps / base_decode_tps if decode_tps and base_decode_tps else None,
+        "end_to_end_speedup": tps / base_tps if tps and base_tps else None,
+        **phase,
+        **base_phase,
         "ngram_repeat_rate": _repeat_rate_over(results),
         "acceptance_by_position": acceptance_by_position(all_rounds, edges),
         "accept_rate_by_draft_position": accept_rate_by_draft_position(all_rounds, num_draft_tokens),
@@ -130,11 +163,23 @@ def print_report(report: dict) -> None:
     if s["baseline_tokens_per_s"] is None:
         versus = "target-only: not run (add --baseline)"
     else:
-        versus = f"target-only {_fmt(s['baseline_tokens_per_s'], '.1f')} tok/s  |  speedup {_fmt(s['speedup'])}x"
+        versus = (f"target-only {_fmt(s['baseline_tokens_per_s'], '.1f')} tok/s  |  decode speedup "
+                  f"{_fmt(s.get('speedup'))}x (end to end {_fmt(s.get('end_to_end_speedup'))}x)")
     print(
-        f"acceptance length {_fmt(s['acceptance_length'])}  |  {_fmt(s['tokens_per_s'], '.1f')} tok/s  |  "
+        f"acceptance length {_fmt(s['acceptance_length'])}  |  {_fmt(s['tokens_per_s'], '.1f')} tok/s end to end  |  "
         f"{versus}  |  3-gram repeat rate {_fmt(s['ngram_repeat_rate'])}"
     )
+    if s.get("decode_seconds") is not None:
+        def phases(prefix):
+            return (f"prefill {_fmt(s.get(prefix + 'prefill_tokens_per_s'), '.1f')} tok/s "
+                    f"({s.get(prefix + 'prefill_tokens')} tokens, {_fmt(s.get(prefix + 'prefill_seconds'))} s), "
+                    f"decode {_fmt(s.get(prefix + 'decode_tokens_per_s'), '.1f')} tok/s "
+                    f"({_fmt(s.get(prefix + 'decode_seconds'))} s)")
+
+        line = f"speculative: {phases('')}"
+        if s.get("baseline_decode_seconds") is not None:
+            line += f"  |  target-only: {phases('baseline_')}"
+        print(line)
     buckets = "  ".join(
         f"[{b['start']},{b['end'] if b['end'] is not None else ''}): {_fmt(b['acceptance_length'])}"
         for b in s["acceptance_by_position"]

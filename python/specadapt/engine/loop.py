@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 #: values of ``SpeculativeEngine(speculation=...)`` and of the front ends' ``--speculation``
 SPECULATION_MODES = ("auto", "on", "off")
 
-__all__ = ["Request", "RoundRecord", "RequestResult", "SpeculativeEngine"]
+__all__ = ["PhaseTimes", "Request", "RoundRecord", "RequestResult", "SpeculativeEngine"]
 
 
 @dataclass
@@ -74,6 +74,46 @@ class RequestResult:
     seconds: float = 0.0
     finished_by_eos: bool = False
     finish_reason: str | None = None
+
+
+@dataclass
+class PhaseTimes:
+    """Wall time an engine spent prefilling and decoding, summed over every batch since it was built or since
+    :meth:`SpeculativeEngine.reset_phase_times` (``SpeculativeEngine.phase_times``).
+
+    A *prefill* is one :meth:`SpeculativeEngine.join` that admitted requests: the new prompts' ragged target
+    forward (every prompt token but the last, which slot 0 of the request's first round feeds) plus what the draft
+    and Test-Time Speculation do for the new rows (the draft's own prefill, EAGLE's features); on CUDA the join
+    waits for its work on the current stream, so none of it spills into the next round. *Decoding* is every
+    :meth:`SpeculativeEngine.step` (one round each: draft, verify forward, verification, bookkeeping). Time between
+    these calls (the caller's own work) is in neither.
+
+    Attributes:
+        prefill_seconds: wall time of the joins that admitted at least one request.
+        prefill_tokens: prompt tokens of the requests those joins admitted (whole prompts; requests with
+            ``max_new_tokens = 0`` are not prefilled and not counted).
+        prefills: joins that admitted at least one request.
+        decode_seconds: wall time of the rounds.
+        decode_tokens: tokens the rounds emitted.
+        decode_rounds: rounds (batched steps, not per-request rounds).
+    """
+
+    prefill_seconds: float = 0.0
+    prefill_tokens: int = 0
+    prefills: int = 0
+    decode_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_rounds: int = 0
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        """Prompt tokens prefilled per second of prefill (``None`` before any prefill)."""
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds > 0 else None
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens emitted per second of decoding rounds (``None`` before any round)."""
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else None
 
 
 @dataclass(eq=False)
@@ -226,6 +266,9 @@ class SpeculativeEngine:
         self._speculate: torch.Tensor | None = None  # [B] bool of the round, None when every row speculates
         self._round_limit: int | None = None  # adaptive verification's draft limit of the round (0: off, probe)
         self._target_params = sampling  # the round's target settings: one SamplingParams or one per row
+        self._cuda_device = _cuda_device_of(target)  # where join waits for its prefill (None: the CPU)
+        #: prefill / decode wall time and tokens of every batch so far (:class:`PhaseTimes`)
+        self.phase_times = PhaseTimes()
         self.close_batch()
 
     def generate(
@@ -299,6 +342,11 @@ class SpeculativeEngine:
         self._rows = []
         self._row_seeds = torch.zeros(0, dtype=torch.int64)
         self._counts = None
+
+    def reset_phase_times(self) -> PhaseTimes:
+        """Start :attr:`phase_times` afresh; returns the figures accumulated until now."""
+        previous, self.phase_times = self.phase_times, PhaseTimes()
+        return previous
 
     @property
     def num_active(self) -> int:
@@ -406,6 +454,12 @@ class SpeculativeEngine:
                 self.tts.join(len(new))
             self.draft.row_seeds = self._row_seeds.clone()
             self.draft.join(histories, features)
+        if self._cuda_device is not None:  # the prefill's kernels are queued: count them here, not in the round
+            torch.cuda.current_stream(self._cuda_device).synchronize()
+        times = self.phase_times
+        times.prefill_seconds += time.perf_counter() - now
+        times.prefill_tokens += sum(len(h) for h in histories)
+        times.prefills += 1
 
     def cancel(self, requests: list["Request"]) -> None:
         """Drop these requests from the running batch (their result keeps the tokens emitted so far,
@@ -446,6 +500,7 @@ class SpeculativeEngine:
         """
         if not self._rows:
             return []
+        step_start = time.perf_counter()
         kv = self._kv
         histories = [row.history for row in self._rows]
         remaining = torch.tensor([row.request.max_new_tokens - len(row.request.result.output_ids)
@@ -519,6 +574,10 @@ class SpeculativeEngine:
         self._keep_rows(keep)
         if not self._rows and self._kv is not None and not self._kv.add_rows_reuses_slots:
             self.close_batch()  # a transformers cache of 0 rows cannot take new rows' chunks: start afresh
+        times = self.phase_times
+        times.decode_seconds += time.perf_counter() - step_start
+        times.decode_tokens += sum(len(e) for e in emitted_rows)
+        times.decode_rounds += 1
         return events
 
     def _coins(self, histories: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -755,6 +814,18 @@ class TokenTree:
     depth: torch.Tensor
     ancestor_mask: torch.Tensor
     path_slots: torch.Tensor
+
+
+def _cuda_device_of(target: LoadedModel) -> torch.device | None:
+    """The CUDA device the target's forward runs on, or ``None`` (CPU, or no parameters to tell)."""
+    device = getattr(getattr(target, "native", None), "device", None)
+    if device is None:
+        try:
+            device = next(target.model.parameters()).device
+        except (AttributeError, StopIteration, TypeError):
+            return None
+    device = torch.device(device)
+    return device if device.type == "cuda" else None
 
 
 def _real_row_probs(logits: torch.Tensor, num_real: torch.Tensor, sampling: SamplingParams,
