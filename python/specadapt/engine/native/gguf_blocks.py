@@ -166,11 +166,11 @@ def tensor_index(path: str) -> dict:
 
     Parsing a GGUF header builds every metadata field (the tokenizer's 151,936 tokens and merges take several
     seconds), so the index is cached beside the other derived files of the file
-    (:func:`specadapt.engine.gguf_load.derived_cache_dir`) and read from there later.
+    (:func:`specadapt.engine.cache_dirs.derived_cache_dir`) and read from there later.
     """
     import json
 
-    from ..gguf_load import derived_cache_dir
+    from ..cache_dirs import derived_cache_dir
 
     cached = derived_cache_dir(path) / "index.json"
     if cached.is_file():
@@ -252,7 +252,7 @@ def load_gguf_model_cached(path: str, num_heads: int, num_kv_heads: int, layers:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from ..gguf_load import derived_cache_dir
+    from ..cache_dirs import derived_cache_dir
 
     cached = derived_cache_dir(path) / _CACHE_FILE
     use_cache = os.environ.get("SPECADAPT_NO_BLOCK_CACHE", "") in ("", "0")
