@@ -480,6 +480,12 @@ def template_prompt(tokenizer, text: str) -> tuple[str, int]:
     return text, len(tokenizer(text)["input_ids"])
 
 
+def prompt_file_text(text: str) -> str:
+    """What to write into the ``-f`` file so llama.cpp reads exactly ``text``: its ``-f`` drops one trailing
+    newline (the Qwen template ends with ``assistant\n``), so one is added."""
+    return text + "\n"
+
+
 def context_size(prompt_tokens, max_new: int, requested: int = 0) -> int:
     """``-c`` for llama.cpp: ``requested`` when set, else the longest prompt + new tokens + 64 slack, rounded up to
     a multiple of 256."""
@@ -608,16 +614,16 @@ def _cell(value, spec: str) -> str:
 
 
 def format_table(rows: list[Row], reference: str | None, cost: dict) -> str:
-    header = (f"{'setting':<44} {'decode tok/s':>12} {'prompt tok/s':>12} {'vs llama.cpp':>12} {'acc.len':>8} "
+    width = max([len("setting")] + [len(r.setting) for r in rows])
+    header = (f"{'setting':<{width}} {'decode tok/s':>12} {'prompt tok/s':>12} {'vs llama.cpp':>12} {'acc.len':>8} "
               f"{'accept':>7}  note")
     lines = [header, "-" * len(header)]
     for r in rows:
-        lines.append(f"{r.setting[:44]:<44} {_cell(r.decode_tokens_per_s, '.2f'):>12} "
-                     f"{_cell(r.prompt_tokens_per_s, '.2f'):>12} "
-                     f"{_cell(r.ratio, '.3f') + ('x' if r.ratio is not None else ''):>12} "
-                     f"{_cell(r.acceptance_length, '.2f'):>8} "
-                     f"{_cell(None if r.accept_rate is None else 100 * r.accept_rate, '.1f') + ('%' if r.accept_rate is not None else ''):>7}"
-                     f"  {r.note}".rstrip())
+        ratio = "-" if r.ratio is None else f"{r.ratio:.3f}x"
+        accept = "-" if r.accept_rate is None else f"{100 * r.accept_rate:.1f}%"
+        lines.append(f"{r.setting:<{width}} {_cell(r.decode_tokens_per_s, '.2f'):>12} "
+                     f"{_cell(r.prompt_tokens_per_s, '.2f'):>12} {ratio:>12} {_cell(r.acceptance_length, '.2f'):>8} "
+                     f"{accept:>7}  {r.note}".rstrip())
     lines.append("")
     lines.append(f"vs llama.cpp: decode tok/s / {reference} decode tok/s" if reference
                  else "vs llama.cpp: no llama.cpp target-only decode ran")
@@ -629,11 +635,11 @@ def format_table(rows: list[Row], reference: str | None, cost: dict) -> str:
 
 def build_document(config: dict, machine: dict, llama: dict, prompts: list, commands: list, raw: dict,
                    rows: list[Row], reference: float | None, reference_setting: str | None, cost: dict,
-                   errors: list) -> dict:
+                   errors: list, warnings: list = ()) -> dict:
     return {"config": config, "machine": machine, "llama_cpp": llama, "prompts": prompts, "commands": commands,
             "raw": raw, "rows": [asdict(r) for r in rows],
             "reference": {"setting": reference_setting, "decode_tokens_per_s": reference},
-            "forward_cost_vs_1_token": cost, "errors": errors}
+            "forward_cost_vs_1_token": cost, "errors": errors, "warnings": list(warnings)}
 
 
 # --------------------------------------------------------------------------------------------------- run
@@ -670,6 +676,19 @@ def parse_job(job: Job, output: str):
         "verify")},
         "requests": [{k: r.get(k) for k in ("id", "prompt_tokens", "output_tokens", "rounds", "acceptance_length",
                                             "tokens_per_s", "finished_by_eos")} for r in data.get("requests", [])]}
+
+
+def prompt_token_mismatch(job: Job, result, prompt_info: list[dict]) -> str | None:
+    """A message when llama.cpp tokenized a prompt file into another count than specadapt's tokenizer did (the
+    two would then not decode the same prompt); ``None`` when they agree or the count is unknown."""
+    if job.part not in ("completion", "speculative", "ngram") or not isinstance(result, dict):
+        return None
+    expected = next((p["tokens"] for p in prompt_info if p["id"] == job.prompt_id), None)
+    got = result.get("prompt_tokens")
+    if expected is None or got is None or got == expected:
+        return None
+    return (f"prompt {job.prompt_id}: llama.cpp counted {got} prompt tokens, specadapt's tokenizer {expected} "
+            "(the chat-templated text is not tokenized alike)")
 
 
 def collect_rows(jobs: list[Job], parsed: list) -> tuple[list[Row], dict]:
@@ -797,7 +816,7 @@ def main(argv=None) -> int:
     for i, prompt in enumerate(prompts):
         text, n_tokens = template_prompt(tokenizer, prompt.text)
         path = run_dir / f"prompt_{i}.txt"
-        path.write_text(text, encoding="utf-8")
+        path.write_text(prompt_file_text(text), encoding="utf-8")
         prompt_files.append((prompt.id, str(path)))
         prompt_info.append({"id": prompt.id, "file": str(path), "chars": len(text), "tokens": n_tokens})
     ctx = context_size([p["tokens"] for p in prompt_info], args.max_new_tokens, args.ctx_size)
@@ -808,7 +827,7 @@ def main(argv=None) -> int:
         except UsageError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        parsed, commands, errors = [], [], []
+        parsed, commands, errors, warnings = [], [], [], []
         for n, job in enumerate(jobs, start=1):
             where = f" prompt {job.prompt_id}" if job.prompt_id is not None else ""
             logger.info("[%d/%d] %s%s", n, len(jobs), job.setting, where)
@@ -829,6 +848,10 @@ def main(argv=None) -> int:
                                "log": str(log_path)})
             else:
                 logger.info("[%d/%d] done in %.1f s", n, len(jobs), seconds)
+                mismatch = prompt_token_mismatch(job, result, prompt_info)
+                if mismatch:
+                    logger.warning("[%d/%d] %s", n, len(jobs), mismatch)
+                    warnings.append({"job": n, "setting": job.setting, "warning": mismatch})
             parsed.append(result)
             commands.append({"job": n, "part": job.part, "setting": job.setting, "prompt_id": job.prompt_id,
                              "argv": job.argv, "command": shlex.join(job.argv), "env": job.env, "returncode": rc,
@@ -840,7 +863,7 @@ def main(argv=None) -> int:
     print()
     print(f"target {Path(args.target).name}  draft {Path(args.draft_model).name if args.draft_model else '-'}  "
           f"dataset {args.dataset} x{len(prompts)}  new tokens {args.max_new_tokens}  threads {args.threads}  "
-          f"T=0  llama.cpp {llama.version.get('commit', '?') and (llama.version.get('commit') or '?')[:10]} "
+          f"T=0  llama.cpp {(llama.version.get('commit') or 'unknown commit')[:10]} "
           f"(llama-cpp-python {LLAMA_CPP_PYTHON})")
     print(format_table(rows, ref_setting, cost))
     raw = {"per_job": [{"job": i + 1, "part": j.part, "setting": j.setting, "prompt_id": j.prompt_id, "result": p}
@@ -853,7 +876,7 @@ def main(argv=None) -> int:
                      build_commit=(bench[0].get("build_commit") if bench else None),
                      build_number=(bench[0].get("build_number") if bench else None))
     doc = build_document(config, machine_info(args.threads), llama_doc, prompt_info, commands, raw, rows,
-                         reference, ref_setting, cost, errors)
+                         reference, ref_setting, cost, errors, warnings)
     if args.json:
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -97,3 +97,143 @@ def test_a_draft_model_run_names_the_draft_type():
     assert cmd[cmd.index("--spec-type") + 1] == "draft-simple"
     ngram = bench.speculative_command(binaries, "t.gguf", "p.txt", 64, 2, 1024, spec_type="ngram-simple")
     assert "-md" not in ngram and ngram[ngram.index("--spec-type") + 1] == "ngram-simple"
+
+
+# llama-speculative-simple's tail as the vendored build prints it (0.5B draft, 32 new tokens, 2026-12-07): the
+# target's own perf lines follow and must not be taken for the speculative figures
+SPECULATIVE_FULL = """\
+0.09.825.440 I encoded  350 tokens in    4.940 seconds, speed:   70.857 t/s
+0.09.825.460 I decoded   37 tokens in    2.121 seconds, speed:   17.441 t/s
+0.09.825.472 I 
+0.09.825.499 I n_draft   = 4
+0.09.825.527 I n_predict = 37
+0.09.825.548 I n_drafted = 30
+0.09.825.575 I n_accept  = 29
+0.09.825.599 I accept    = 96.667%
+0.09.825.623 I 
+0.09.825.650 I draft:
+
+0.09.825.738 I target:
+
+0.09.825.775 I common_perf_print:    sampling time =       9.55 ms
+0.09.825.856 I common_perf_print: prompt eval time =    6333.49 ms /   389 tokens (   16.28 ms per token,    61.42 tokens per second)
+0.09.825.878 I common_perf_print:        eval time =       0.00 ms /     1 runs   (    0.00 ms per token,      inf tokens per second)
+"""
+
+
+def test_full_speculative_tail_takes_the_speculative_lines():
+    out = bench.parse_speculative(SPECULATIVE_FULL)
+    assert (out["prompt_tokens"], out["decoded_tokens"], out["n_predict"], out["n_accept"]) == (350, 37, 37, 29)
+    assert out["decode_tokens_per_s"] == pytest.approx(17.441) and out["prompt_tokens_per_s"] == pytest.approx(70.857)
+    assert out["rounds"] == 8 and out["acceptance_length"] == pytest.approx(37 / 8)
+    # the target's "inf tokens per second" of a 1-run eval is no number
+    assert bench.parse_completion(SPECULATIVE_FULL)["decode_tokens_per_s"] is None
+
+
+def test_prompt_file_survives_llamacpp_dropping_one_trailing_newline():
+    templated = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    written = bench.prompt_file_text(templated)
+    read_back = written[:-1] if written.endswith("\n") else written  # what llama.cpp's -f keeps
+    assert read_back == templated
+
+
+def test_prompt_token_mismatch_is_reported():
+    info = [{"id": "p0", "tokens": 351}]
+    job = bench.Job("completion", "llama.cpp target-only", [], prompt_id="p0")
+    assert bench.prompt_token_mismatch(job, {"prompt_tokens": 351}, info) is None
+    assert "350" in bench.prompt_token_mismatch(job, {"prompt_tokens": 350}, info)
+    assert bench.prompt_token_mismatch(bench.Job("bench", "llama-bench", []), [], info) is None
+
+
+def test_completion_and_bench_commands():
+    binaries = {"llama-completion": "/b/llama-completion", "llama-bench": "/b/llama-bench"}
+    cmd = bench.completion_command(binaries, "t.gguf", "p.txt", 32, 2, 512, extra=["--mlock"])
+    assert cmd[0] == "/b/llama-completion" and "-no-cnv" in cmd and cmd[-1] == "--mlock"
+    for flag, value in (("-m", "t.gguf"), ("-f", "p.txt"), ("-n", "32"), ("-t", "2"), ("-c", "512"), ("--temp", "0")):
+        assert cmd[cmd.index(flag) + 1] == value
+    assert "--ignore-eos" not in cmd
+    assert "--ignore-eos" in bench.completion_command(binaries, "t.gguf", "p.txt", 32, 2, 512, ignore_eos=True)
+    b = bench.bench_command(binaries, "t.gguf", 2, 3)
+    assert b[b.index("-p") + 1] == "2,4,8,512" and b[b.index("-n") + 1] == "64" and b[b.index("-o") + 1] == "json"
+
+
+def test_specadapt_command_is_greedy_batch_one_with_baseline_and_extras_last():
+    cmd = bench.specadapt_command("t.gguf", "d.gguf", "/data/lcb.jsonl", "prompt", 2, 64, "/tmp/o.json",
+                                  num_draft=4, extra=["--draft", "ngram"])
+    assert cmd[cmd.index("generate") + 1:cmd.index("generate") + 5] == ["--model", "t.gguf", "--draft", "d.gguf"]
+    for flag, value in (("--temperature", "0"), ("--batch-size", "1"), ("--json", "/tmp/o.json"),
+                        ("--num-draft-tokens", "4"), ("--prompt-field", "prompt"), ("--limit", "2"),
+                        ("--max-new-tokens", "64"), ("--dataset", "/data/lcb.jsonl")):
+        assert cmd[cmd.index(flag) + 1] == value
+    assert "--baseline" in cmd and cmd[-2:] == ["--draft", "ngram"]
+    assert "--num-draft-tokens" not in bench.specadapt_command("t", "ngram", "x", None, 1, 8, "o")
+
+
+def _args(**kw):
+    defaults = dict(skip=[], llama_args="", max_new_tokens=32, threads=2, ignore_eos=False, target="t.gguf",
+                    repetitions=2, draft_model="d.gguf", num_draft=4, specadapt_args="--seed 1",
+                    specadapt_drafts=["ngram", "model"], limit=1)
+    defaults.update(kw)
+    import argparse
+
+    return argparse.Namespace(**defaults)
+
+
+BINARIES = {n: f"/b/{n}" for n in ("llama-bench", "llama-completion", "llama-speculative-simple")}
+
+
+def test_plan_runs_every_part_per_prompt_and_skips_by_name(tmp_path):
+    files = [("p0", "a.txt"), ("p1", "b.txt")]
+    jobs = bench.plan_jobs(_args(), BINARIES, files, ["ngram-simple", "ngram-mod"], 512, "lcb", None, str(tmp_path))
+    parts = [j.part for j in jobs]
+    assert parts == ["bench"] + ["completion"] * 2 + ["speculative"] * 2 + ["ngram"] * 4 + ["specadapt"] * 2
+    sa = [j for j in jobs if j.part == "specadapt"]
+    assert sa[0].argv[sa[0].argv.index("--draft") + 1] == "ngram" and "--num-draft-tokens" not in sa[0].argv
+    assert sa[1].argv[sa[1].argv.index("--draft") + 1] == "d.gguf" and sa[1].setting == "specadapt d.gguf n=4"
+    assert all(j.env["OMP_NUM_THREADS"] == "2" and j.argv[-2:] == ["--seed", "1"] for j in sa)
+    assert sa[0].json_out != sa[1].json_out
+    kept = bench.plan_jobs(_args(skip=["bench", "ngram", "specadapt"], draft_model=None, specadapt_drafts=[]),
+                           BINARIES, files, ["ngram-simple"], 512, "lcb", None, str(tmp_path))
+    assert [j.part for j in kept] == ["completion", "completion"]  # no draft model: no speculative job
+    with pytest.raises(bench.UsageError, match="--draft-model"):
+        bench.plan_jobs(_args(draft_model=None), BINARIES, files, [], 512, "lcb", None, str(tmp_path))
+
+
+def test_context_size_and_ngram_types_from_source(tmp_path):
+    assert bench.context_size([351, 200], 32) == 512
+    assert bench.context_size([351], 256) == 768 and bench.context_size([351], 32, requested=4096) == 4096
+    (tmp_path / "common").mkdir()
+    (tmp_path / "common" / "speculative.cpp").write_text(
+        '{"none", COMMON_SPECULATIVE_TYPE_NONE},\n{"ngram-simple",  COMMON_SPECULATIVE_TYPE_NGRAM_SIMPLE},\n'
+        '{"ngram-cache", COMMON_SPECULATIVE_TYPE_NGRAM_CACHE}\n')
+    assert bench.ngram_types_in(tmp_path) == ["ngram-simple", "ngram-cache"]
+    assert bench.ngram_types_in(tmp_path / "missing") == []
+
+
+def test_specadapt_rows_fall_back_to_end_to_end_keys():
+    rows, keys = bench.specadapt_rows("specadapt ngram", {"tokens_per_s": 10.0, "baseline_tokens_per_s": 9.0,
+                                                           "acceptance_length": 1.2})
+    assert [r.decode_tokens_per_s for r in rows] == [10.0, 9.0]
+    assert keys["decode"] == "tokens_per_s" and keys["prefill"] is None
+    assert all("incl. prefill" in r.note for r in rows)
+    rows, _ = bench.specadapt_rows("specadapt ngram", {"tokens_per_s": 10.0, "acceptance_length": 1.2})
+    assert len(rows) == 1  # no baseline ran
+
+
+def test_collect_rows_marks_failed_settings_and_document_is_json(tmp_path):
+    import json
+
+    jobs = [bench.Job("completion", "llama.cpp target-only", ["x"], prompt_id="p0"),
+            bench.Job("completion", "llama.cpp target-only", ["x"], prompt_id="p1"),
+            bench.Job("ngram", "llama.cpp ngram-mod", ["x"], prompt_id="p0")]
+    parsed = [bench.parse_completion(COMPLETION), bench.parse_completion(COMPLETION), None]
+    rows, _ = bench.collect_rows(jobs, parsed)
+    assert [r.setting for r in rows] == ["llama.cpp target-only", "llama.cpp ngram-mod"]
+    assert rows[0].decode_tokens_per_s == pytest.approx(102 / 3.2505)  # token-weighted over both prompts
+    assert rows[1].note == "failed" and rows[1].decode_tokens_per_s is None
+    rows, ref, setting = bench.with_ratios(rows)
+    table = bench.format_table(rows, setting, {"2": 1.5})
+    assert "q=2 1.50x" in table and "failed" in table
+    doc = bench.build_document({"threads": 2}, {"cpu_model": "x"}, {"commit": "abc"}, [], [], {}, rows, ref,
+                               setting, {"2": 1.5}, [], [{"warning": "w"}])
+    assert json.loads(json.dumps(doc))["rows"][0]["ratio"] == pytest.approx(1.0)
