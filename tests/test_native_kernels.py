@@ -19,7 +19,7 @@ from specadapt.engine.native.formats import (
 pytestmark = pytest.mark.skipif(not kernels.has_op_for("native_linear", torch.device("cpu")),
                                 reason="specadapt._C built without the native kernels")
 ops = torch.ops.specadapt if kernels.extension_available() else None
-FORMATS = list(WeightFormat)
+FORMATS = [f for f in WeightFormat if not f.is_k]  # the formats pack_weight makes (K-quants: tests/test_kquant.py)
 
 
 def _supported_isas() -> list[str]:
