@@ -21,6 +21,7 @@ from specadapt.engine.native.gguf_blocks import (
     BLOCK_TYPES, GGUFModel, UnsupportedBlockType, decode_tensor, load_gguf_model_cached, read_gguf_model,
 )
 from specadapt.engine.native.model import NativeLlama, NativeUnsupported
+from tests.test_native_forward import _on_every_isa
 
 HAS_KERNELS = kernels.has_op_for("native_llama_forward", torch.device("cpu"))
 needs_kernels = pytest.mark.skipif(not HAS_KERNELS, reason="specadapt._C built without the native kernels")
@@ -84,27 +85,6 @@ def test_kquant_parts_round_trip_and_select_rows(fmt):
         assert torch.equal(a, b)
     pick = torch.tensor([3, 39, 0, 17])
     assert torch.equal(weight.select_rows(pick).dequantize(), weight.dequantize()[pick])
-
-
-def _isas() -> list[str]:
-    if not HAS_KERNELS:
-        return []
-    best = torch.ops.specadapt.native_set_isa("")
-    order = ["scalar", "avx2", "avx512"]
-    return order[: order.index(best) + 1]
-
-
-def _on_every_isa(run) -> dict:
-    ops = torch.ops.specadapt
-    best = ops.native_set_isa("")
-    try:
-        out = {}
-        for isa in _isas():
-            ops.native_set_isa(isa)
-            out[isa] = run()
-        return out
-    finally:
-        ops.native_set_isa(best)
 
 
 @needs_kernels
