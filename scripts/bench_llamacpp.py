@@ -519,6 +519,28 @@ def machine_info(threads: int) -> dict:
             "threads": threads, "platform": platform.platform(), "python": platform.python_version()}
 
 
+def machine_limits() -> dict:
+    """The machine's copy and read rates (GB/s) now, measured as ``specadapt bench-forward`` does (256 MB of
+    float32; the job's threads), so decode rates can be set against the weight floor of the same run."""
+    from specadapt.bench.forward import measure_machine
+
+    m = measure_machine()
+    return {"copy_gbps": m["copy_gbps"], "read_gbps": m["read_gbps"]}
+
+
+def weight_floor_line(rows, limits: dict) -> str:
+    """One line: the target file's bytes at the run's lower read rate (the floor of a decode step), and each
+    target-only row's ms per token as a multiple of it."""
+    read = min(limits["start"]["read_gbps"], limits["end"]["read_gbps"])
+    floor_ms = limits["target_bytes"] / (read * 1e9) * 1e3
+    parts = [f"{r.setting} {1e3 / r.decode_tokens_per_s:.1f} ms ({1e3 / r.decode_tokens_per_s / floor_ms:.2f}x)"
+             for r in rows if r.decode_tokens_per_s and ("target-only" in r.setting or r.part == "bench")]
+    return (f"machine: read {limits['start']['read_gbps']:.1f} / {limits['end']['read_gbps']:.1f} GB/s (start / end),"
+            f" copy {limits['start']['copy_gbps']:.1f} / {limits['end']['copy_gbps']:.1f}; the target file's "
+            f"{limits['target_bytes'] / 1e6:.0f} MB at {read:.1f} GB/s = {floor_ms:.1f} ms a token; "
+            + "; ".join(parts))
+
+
 # ------------------------------------------------------------------------------------------------- results
 
 
@@ -828,6 +850,7 @@ def main(argv=None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         parsed, commands, errors, warnings = [], [], [], []
+        limits = {"start": machine_limits()}
         for n, job in enumerate(jobs, start=1):
             where = f" prompt {job.prompt_id}" if job.prompt_id is not None else ""
             logger.info("[%d/%d] %s%s", n, len(jobs), job.setting, where)
@@ -858,6 +881,8 @@ def main(argv=None) -> int:
                              "seconds": seconds, "log": str(log_path)})
     rows, keys = collect_rows(jobs, parsed)
     rows, reference, ref_setting = with_ratios(rows)
+    limits["end"] = machine_limits()
+    limits["target_bytes"] = os.path.getsize(args.target)
     bench = next((p for j, p in zip(jobs, parsed) if j.part == "bench" and p), [])
     cost = forward_cost(bench)
     print()
@@ -866,6 +891,7 @@ def main(argv=None) -> int:
           f"T=0  llama.cpp {(llama.version.get('commit') or 'unknown commit')[:10]} "
           f"(llama-cpp-python {LLAMA_CPP_PYTHON})")
     print(format_table(rows, ref_setting, cost))
+    print(weight_floor_line(rows, limits))
     raw = {"per_job": [{"job": i + 1, "part": j.part, "setting": j.setting, "prompt_id": j.prompt_id, "result": p}
                        for i, (j, p) in enumerate(zip(jobs, parsed))], "specadapt_keys_used": keys}
     config = {k: v for k, v in vars(args).items() if k not in ("log_level",)}
@@ -875,7 +901,7 @@ def main(argv=None) -> int:
                      cmake_flags=CMAKE_FLAGS, ngram_types=llama.ngram_types,
                      build_commit=(bench[0].get("build_commit") if bench else None),
                      build_number=(bench[0].get("build_number") if bench else None))
-    doc = build_document(config, machine_info(args.threads), llama_doc, prompt_info, commands, raw, rows,
+    doc = build_document(config, dict(machine_info(args.threads), limits=limits), llama_doc, prompt_info, commands, raw, rows,
                          reference, ref_setting, cost, errors, warnings)
     if args.json:
         out = Path(args.json)

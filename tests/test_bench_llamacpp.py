@@ -237,3 +237,17 @@ def test_collect_rows_marks_failed_settings_and_document_is_json(tmp_path):
     doc = bench.build_document({"threads": 2}, {"cpu_model": "x"}, {"commit": "abc"}, [], [], {}, rows, ref,
                                setting, {"2": 1.5}, [], [{"warning": "w"}])
     assert json.loads(json.dumps(doc))["rows"][0]["ratio"] == pytest.approx(1.0)
+
+
+def test_weight_floor_line_sets_target_only_rows_against_the_runs_read_rate():
+    rows = [bench.Row("llama.cpp target-only", "completion", decode_tokens_per_s=25.0, acceptance_length=1.0),
+            bench.Row("specadapt ngram", "specadapt", decode_tokens_per_s=40.0, acceptance_length=1.2),
+            bench.Row("specadapt ngram: target-only (paired)", "specadapt", decode_tokens_per_s=30.0,
+                      acceptance_length=1.0)]
+    limits = {"start": {"read_gbps": 30.0, "copy_gbps": 25.0}, "end": {"read_gbps": 20.0, "copy_gbps": 24.0},
+              "target_bytes": 1_000_000_000}
+    line = bench.weight_floor_line(rows, limits)
+    assert "at 20.0 GB/s = 50.0 ms a token" in line  # the lower of the two read rates
+    assert "llama.cpp target-only 40.0 ms (0.80x)" in line
+    assert "specadapt ngram: target-only (paired) 33.3 ms (0.67x)" in line
+    assert "specadapt ngram 25.0" not in line  # speculative rows are not set against the floor

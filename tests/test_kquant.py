@@ -7,6 +7,8 @@ cache, and the sampled law of a K-quant target (chi-square against its exact joi
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -325,14 +327,7 @@ class _NativeAsModel:
 
     def __call__(self, input_ids):
         n = input_ids.shape[1]
-        logits = SlotKVCache(self.native, 1, n + 1).forward(input_ids, torch.tensor([n]))
-
-        class Out:
-            pass
-
-        out = Out()
-        out.logits = logits
-        return out
+        return SimpleNamespace(logits=SlotKVCache(self.native, 1, n + 1).forward(input_ids, torch.tensor([n])))
 
 
 @needs_kernels

@@ -77,6 +77,11 @@ def _hf_name(gguf_name: str) -> str | None:
     return GGUF_LLAMA_NAMES.get(gguf_name)
 
 
+def _in_layers(name: str, layers: int | None) -> bool:
+    """Whether a transformers tensor name is kept when only decoder layers ``< layers`` are (``None``: all)."""
+    return layers is None or not name.startswith("model.layers.") or int(name.split(".")[2]) < layers
+
+
 def _unpermute_rows(rows: int, heads: int) -> np.ndarray:
     """Row order that undoes llama.cpp's q/k permutation: ``hf_rows = gguf_rows[order]``."""
     dim = rows // heads // 2
@@ -212,7 +217,7 @@ def read_gguf_model(path: str, num_heads: int, num_kv_heads: int, types: set[str
         name = _hf_name(gguf_name)
         if name is None:
             continue
-        if layers is not None and name.startswith("model.layers.") and int(name.split(".")[2]) >= layers:
+        if not _in_layers(name, layers):
             continue
         raw = data[offset:offset + nbytes]
         if kind in ("F32", "F16") and len(shape) == 1:
@@ -261,14 +266,13 @@ def load_gguf_model_cached(path: str, num_heads: int, num_kv_heads: int, layers:
         with safe_open(str(cached), framework="pt") as f:
             meta = json.loads(f.metadata()["specadapt"])
             out.architecture, out.types, out.unsupported = meta["architecture"], meta["types"], meta["unsupported"]
-            keep = lambda n: layers is None or not n.startswith("model.layers.") or int(n.split(".")[2]) < layers  # noqa: E731
             for name, (fmt, rows) in meta["matrices"].items():
-                if keep(name):
+                if _in_layers(name, layers):
                     parts = [f.get_tensor(f"{name}::{k}") if f"{name}::{k}" in meta["keys"] else None
                              for k in ("data", "scales", "mins")]
                     out.matrices[name] = PackedWeight(WeightFormat(fmt), parts[0], parts[1], parts[2], rows)
             for name in meta["vectors"]:
-                if keep(name):
+                if _in_layers(name, layers):
                     out.vectors[name] = f.get_tensor(f"{name}::vector")
         return out
     out = read_gguf_model(path, num_heads, num_kv_heads)
@@ -288,12 +292,8 @@ def load_gguf_model_cached(path: str, num_heads: int, num_kv_heads: int, layers:
         tmp = cached.with_suffix(".tmp")
         save_file(tensors, str(tmp), metadata={"specadapt": json.dumps(meta)})
         tmp.replace(cached)
-    if layers is not None:
-        drop = [n for n in list(out.matrices) + list(out.vectors)
-                if n.startswith("model.layers.") and int(n.split(".")[2]) >= layers]
-        for n in drop:
-            out.matrices.pop(n, None)
-            out.vectors.pop(n, None)
+    out.matrices = {n: w for n, w in out.matrices.items() if _in_layers(n, layers)}
+    out.vectors = {n: v for n, v in out.vectors.items() if _in_layers(n, layers)}
     return out
 
 
