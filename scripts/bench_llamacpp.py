@@ -17,14 +17,20 @@ Jobs, run one at a time (``--skip`` drops parts by name):
 
 - ``bench``: ``llama-bench`` on the target: tg64, pp512 and pp2 / pp4 / pp8, so the cost of one forward over q
   tokens relative to a 1-token forward (``q * tg64 / ppq``) is visible;
-- ``completion``: ``llama-completion`` target-only on each prompt (T = 0, ``-n`` new tokens, non-interactive);
+- ``completion``: ``llama-completion`` target-only on each prompt (``--temperature``, default 0; ``-n`` new tokens, non-interactive);
   its printed eval (decode) and prompt-eval tok/s;
-- ``speculative``: ``llama-speculative-simple`` with the draft model (``--num-draft`` drafts, T = 0): its
+- ``speculative``: ``llama-speculative-simple`` with the draft model (``--num-draft`` drafts): its
   decoded tok/s, prompt (encode) tok/s and acceptance;
 - ``ngram``: ``llama-speculative-simple --spec-type T`` for llama.cpp's model-free n-gram drafts
   (``ngram-simple``, ``ngram-map-k``, ``ngram-mod``, ``ngram-cache``; the ones the vendored source knows);
-- ``specadapt``: ``specadapt generate --temperature 0 --batch-size 1 --baseline`` per ``--specadapt-drafts``
+- ``specadapt``: ``specadapt generate --temperature T --batch-size 1 --baseline`` per ``--specadapt-drafts``
   entry; its summary's decode / target-only decode / prefill tok/s and acceptance length.
+
+``--lockstep R`` replaces all of that with a paired comparison of target-only decoding alone: R rounds, each
+running, for every prompt, ``llama-completion`` and ``specadapt generate --draft none`` on that one prompt back to
+back (the order flips every pair, ABBA, so a drift of the host's memory rate within a round cancels); each
+pair gives one ratio (specadapt decode tok/s / llama.cpp decode tok/s), and the table gives their median and range.
+The machine's read rate here moved 31 -> 49 GB/s within five minutes, so only such paired ratios are comparable.
 
 Prompts come from a specadapt dataset with the target's chat template applied as ``specadapt generate`` applies
 it (the tokenizer of the GGUF file, one user turn, generation prompt); llama.cpp reads the templated text from a
@@ -336,24 +342,32 @@ def bench_command(binaries: dict, model: str, threads: int, repetitions: int) ->
             "-n", str(BENCH_GEN), "-r", str(repetitions), "-o", "json"]
 
 
-def _common(model: str, prompt_file: str, max_new: int, threads: int, ctx: int, ignore_eos: bool) -> list[str]:
-    return (["-m", model, "-f", prompt_file, "-n", str(max_new), "-t", str(threads), "-c", str(ctx),
-             "--temp", "0", "--seed", "0"] + (["--ignore-eos"] if ignore_eos else []))
+def _common(model: str, prompt_file: str, max_new: int, threads: int, ctx: int, ignore_eos: bool,
+            temperature: float = 0.0) -> list[str]:
+    """Arguments every llama.cpp job shares; T > 0 samples with llama.cpp's default chain (seed 0) and
+    ``--top-k 0 --top-p 1 --min-p 0``, i.e. the plain softmax at T, the distribution specadapt samples."""
+    sampling = ["--temp", format(temperature, "g"), "--seed", "0"]
+    if temperature > 0:
+        sampling += ["--top-k", "0", "--top-p", "1", "--min-p", "0"]
+    return (["-m", model, "-f", prompt_file, "-n", str(max_new), "-t", str(threads), "-c", str(ctx)] + sampling
+            + (["--ignore-eos"] if ignore_eos else []))
 
 
 def completion_command(binaries: dict, model: str, prompt_file: str, max_new: int, threads: int, ctx: int,
-                       ignore_eos: bool = False, extra=()) -> list[str]:
+                       ignore_eos: bool = False, extra=(), temperature: float = 0.0) -> list[str]:
     """Target-only, non-interactive (``-no-cnv``: the prompt file already holds the chat template)."""
-    return ([binaries["llama-completion"]] + _common(model, prompt_file, max_new, threads, ctx, ignore_eos)
+    return ([binaries["llama-completion"]]
+            + _common(model, prompt_file, max_new, threads, ctx, ignore_eos, temperature)
             + ["-no-cnv", "--no-display-prompt"] + list(extra))
 
 
 def speculative_command(binaries: dict, model: str, prompt_file: str, max_new: int, threads: int, ctx: int,
                         draft: str | None = None, spec_type: str | None = None, num_draft: int = 4,
-                        ignore_eos: bool = False, extra=()) -> list[str]:
+                        ignore_eos: bool = False, extra=(), temperature: float = 0.0) -> list[str]:
     """``llama-speculative-simple`` with a draft model (``-md``, ``--spec-draft-n-max``) or a model-free
     ``--spec-type``."""
-    cmd = [binaries["llama-speculative-simple"]] + _common(model, prompt_file, max_new, threads, ctx, ignore_eos)
+    cmd = [binaries["llama-speculative-simple"]] + _common(model, prompt_file, max_new, threads, ctx, ignore_eos,
+                                                           temperature)
     if draft is not None:
         # this llama.cpp infers the type from the draft file's metadata and otherwise runs none ("failed to
         # initialize speculative decoding"): name the plain draft-model type
@@ -373,14 +387,17 @@ def specadapt_executable() -> list[str]:
 
 def specadapt_command(target: str, draft: str, dataset: str, prompt_field: str | None, limit: int, max_new: int,
                       json_out: str, num_draft: int | None = None, ignore_eos: bool = False,
-                      extra=()) -> list[str]:
-    """``specadapt generate`` greedy at batch 1 with its paired target-only baseline; ``extra`` comes last (so it
+                      extra=(), temperature: float = 0.0) -> list[str]:
+    """``specadapt generate`` at ``temperature`` (greedy by default), batch 1, with its paired target-only baseline; ``extra`` comes last (so it
     overrides). ``num_draft`` sets ``--num-draft-tokens`` (given for model drafts, to match llama.cpp's)."""
     cmd = specadapt_executable() + ["generate", "--model", target, "--draft", draft, "--dataset", dataset]
     if prompt_field:
         cmd += ["--prompt-field", prompt_field]
-    cmd += ["--limit", str(limit), "--max-new-tokens", str(max_new), "--temperature", "0", "--batch-size", "1",
+    cmd += ["--limit", str(limit), "--max-new-tokens", str(max_new), "--temperature", format(temperature, "g"),
+            "--batch-size", "1",
             "--baseline", "--json", json_out, "--no-progress"]
+    if temperature > 0:
+        cmd += ["--top-p", "1", "--top-k", "0", "--min-p", "0"]  # the plain softmax at T, as llama.cpp's jobs
     if num_draft is not None:
         cmd += ["--num-draft-tokens", str(num_draft)]
     if ignore_eos:
@@ -404,7 +421,7 @@ def plan_jobs(args, binaries: dict, prompt_files: list[tuple[str, str]], ngram_t
     extra = shlex.split(args.llama_args or "")
     jobs: list[Job] = []
     common = dict(max_new=args.max_new_tokens, threads=args.threads, ctx=ctx, ignore_eos=args.ignore_eos,
-                  extra=extra)
+                  extra=extra, temperature=args.temperature)
     if "bench" not in skip:
         jobs.append(Job("bench", "llama-bench", bench_command(binaries, args.target, args.threads,
                                                               args.repetitions)))
@@ -433,7 +450,8 @@ def plan_jobs(args, binaries: dict, prompt_files: list[tuple[str, str]], ngram_t
                 f" n={args.num_draft}" if is_model else "")
             jobs.append(Job("specadapt", label, specadapt_command(
                 args.target, draft, dataset, prompt_field, args.limit, args.max_new_tokens, out,
-                num_draft=args.num_draft if is_model else None, ignore_eos=args.ignore_eos, extra=sa_extra),
+                num_draft=args.num_draft if is_model else None, ignore_eos=args.ignore_eos, extra=sa_extra,
+                temperature=args.temperature),
                 env=threads_env, json_out=out))
     return jobs
 
@@ -739,6 +757,119 @@ def collect_rows(jobs: list[Job], parsed: list) -> tuple[list[Row], dict]:
     return rows, keys
 
 
+# ------------------------------------------------------------------------------------------------- lockstep
+
+
+def lockstep_order(rounds: int, n_prompts: int) -> list[tuple[int, int, str]]:
+    """The lock-step jobs as ``(round, prompt index, engine)``, ``engine`` in ``("llama.cpp", "specadapt")``:
+    every (round, prompt) pair back to back, the first engine alternating pair by pair (ABBA)."""
+    order = []
+    k = 0
+    for r in range(rounds):
+        for i in range(n_prompts):
+            pair = ("llama.cpp", "specadapt") if k % 2 == 0 else ("specadapt", "llama.cpp")
+            order += [(r, i, e) for e in pair]
+            k += 1
+    return order
+
+
+def one_prompt_dataset(path: Path, prompt_id: str, text: str) -> str:
+    """A one-line .jsonl (field ``prompt``) holding ``text``, for ``specadapt generate --dataset``."""
+    path.write_text(json.dumps({"id": prompt_id, "prompt": text}) + "\n", encoding="utf-8")
+    return str(path)
+
+
+def lockstep_pairs(results: list[tuple[int, int, str, float | None]]) -> list[dict]:
+    """Pairs ``{round, prompt, llama_cpp, specadapt, ratio}`` from ``(round, prompt, engine, decode tok/s)``
+    results; a pair with a failed job has ratio ``None``."""
+    table: dict = {}
+    for r, i, engine, rate in results:
+        table.setdefault((r, i), {"round": r, "prompt": i, "llama_cpp": None, "specadapt": None})
+        table[(r, i)]["llama_cpp" if engine == "llama.cpp" else "specadapt"] = rate
+    pairs = []
+    for key in sorted(table):
+        row = table[key]
+        row["ratio"] = (row["specadapt"] / row["llama_cpp"]) if row["specadapt"] and row["llama_cpp"] else None
+        pairs.append(row)
+    return pairs
+
+
+def lockstep_summary(pairs: list[dict]) -> dict:
+    """Median, geometric mean, min and max of the pairs' ratios, and how many pairs gave one."""
+    ratios = sorted(p["ratio"] for p in pairs if p["ratio"] is not None)
+    if not ratios:
+        return {"pairs": 0, "median": None, "geomean": None, "min": None, "max": None}
+    n = len(ratios)
+    median = ratios[n // 2] if n % 2 else 0.5 * (ratios[n // 2 - 1] + ratios[n // 2])
+    geomean = math.exp(sum(math.log(x) for x in ratios) / n)
+    return {"pairs": n, "median": median, "geomean": geomean, "min": ratios[0], "max": ratios[-1]}
+
+
+def run_lockstep(args, llama, prompts, prompt_files, ctx: int, run_dir: Path) -> int:
+    """``--lockstep``: paired target-only decode, llama.cpp against specadapt, prompt by prompt (see the module
+    docstring); prints the pairs and their summary, writes ``--json``."""
+    threads_env = {k: str(args.threads) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    extra = shlex.split(args.llama_args or "")
+    sa_extra = shlex.split(args.specadapt_args or "")
+    limits = {"start": machine_limits()}
+    order = lockstep_order(args.lockstep, len(prompts))
+    results, commands, errors = [], [], []
+    for n, (r, i, engine) in enumerate(order, start=1):
+        pid, path = prompt_files[i]
+        if engine == "llama.cpp":
+            job = Job("completion", "llama.cpp target-only", completion_command(
+                llama.binaries, args.target, path, max_new=args.max_new_tokens, threads=args.threads, ctx=ctx,
+                ignore_eos=args.ignore_eos, extra=extra, temperature=args.temperature), prompt_id=pid)
+        else:
+            data = one_prompt_dataset(run_dir / f"prompt_{i}.jsonl", pid, prompts[i].text)
+            out = str(run_dir / f"lockstep_{n:03d}.json")
+            job = Job("specadapt", "specadapt target-only", specadapt_command(
+                args.target, "none", data, "prompt", 1, args.max_new_tokens, out, ignore_eos=args.ignore_eos,
+                extra=sa_extra, temperature=args.temperature), env=threads_env, json_out=out)
+            job.argv = [a for a in job.argv if a != "--baseline"]
+        logger.info("[%d/%d] round %d prompt %s: %s", n, len(order), r + 1, pid, engine)
+        rc, output, seconds = run_job(job, run_dir / f"lockstep_{n:03d}-{job.part}.log", args.timeout)
+        rate = None
+        if rc == 0:
+            try:
+                parsed = parse_job(job, output)
+                rate = (completion_row(job.setting, [parsed]).decode_tokens_per_s if engine == "llama.cpp"
+                        else first_key(parsed["summary"], SPECADAPT_DECODE_KEYS)[0])
+            except (ValueError, OSError, KeyError) as exc:
+                errors.append({"job": n, "error": f"output not understood ({exc})"})
+        else:
+            errors.append({"job": n, "error": f"exited {rc}: " + " | ".join(output.strip().splitlines()[-3:])})
+        results.append((r, i, engine, rate))
+        commands.append({"job": n, "round": r, "prompt_id": pid, "engine": engine, "command": shlex.join(job.argv),
+                         "returncode": rc, "seconds": seconds, "decode_tokens_per_s": rate})
+    limits["end"] = machine_limits()
+    pairs = lockstep_pairs(results)
+    summary = lockstep_summary(pairs)
+    print()
+    print(f"lock-step target-only decode: {Path(args.target).name}, dataset {args.dataset} x{len(prompts)}, "
+          f"{args.lockstep} round(s), new tokens {args.max_new_tokens}, threads {args.threads}, T={args.temperature:g}")
+    print("| round | prompt | llama.cpp tok/s | specadapt tok/s | ratio |\n|---|---|---|---|---|")
+    for p in pairs:
+        print(f"| {p['round'] + 1} | {prompt_files[p['prompt']][0]} | {_cell(p['llama_cpp'], '.2f')} | "
+              f"{_cell(p['specadapt'], '.2f')} | {_cell(p['ratio'], '.3f')} |")
+    if summary["pairs"]:
+        print(f"specadapt / llama.cpp over {summary['pairs']} pairs: median {summary['median']:.3f}x, geometric "
+              f"mean {summary['geomean']:.3f}x, range {summary['min']:.3f}-{summary['max']:.3f}x")
+    print(f"machine: read {limits['start']['read_gbps']:.1f} / {limits['end']['read_gbps']:.1f} GB/s (start / end)")
+    if args.json:
+        doc = {"mode": "lockstep", "config": {k: v for k, v in vars(args).items() if k != "log_level"},
+               "machine": dict(machine_info(args.threads), limits=limits), "llama_cpp": dict(llama.version),
+               "pairs": pairs, "summary": summary, "commands": commands, "errors": errors}
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {out}")
+    if errors:
+        print(f"{len(errors)} job(s) failed: " + "; ".join(str(e) for e in errors), file=sys.stderr)
+        return 1
+    return 0
+
+
 def resolve_model(value: str | None, flag: str) -> str | None:
     """A ``--target`` / ``--draft-model`` value: an existing path, or a preset name through
     ``specadapt.engine.presets.preset_path`` where that module exists."""
@@ -778,6 +909,8 @@ def parse_args(argv=None):
                         "--num-draft-tokens)")
     p.add_argument("--repetitions", type=int, default=3, help="llama-bench -r")
     p.add_argument("--ctx-size", type=int, default=0, help="llama.cpp -c (0: longest prompt + new tokens + slack)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every job (0: greedy; > 0: plain softmax at T, seed 0)")
     p.add_argument("--ignore-eos", action="store_true", help="decode every prompt to --max-new-tokens (all jobs)")
     p.add_argument("--skip", nargs="*", default=[], choices=PARTS, metavar="PART",
                    help=f"parts not to run: {' '.join(PARTS)}")
@@ -792,12 +925,19 @@ def parse_args(argv=None):
     p.add_argument("--rebuild", action="store_true", help="delete the build folder and build again")
     p.add_argument("--build-jobs", type=int, default=2, help="cmake --build -j")
     p.add_argument("--build-only", action="store_true", help="build llama.cpp and exit")
+    p.add_argument("--lockstep", type=int, default=0, metavar="R",
+                   help="paired target-only decode only: R rounds of llama-completion and specadapt on each prompt "
+                        "back to back, ABBA order; prints each pair's ratio and their median (0: the full run)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per job")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     for flag in ("limit", "max_new_tokens", "threads", "num_draft", "repetitions", "build_jobs"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if not (args.temperature >= 0 and math.isfinite(args.temperature)):
+        p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if args.lockstep < 0:
+        p.error(f"--lockstep must be >= 0, got {args.lockstep}")
     if args.draft_model in ("none", ""):
         args.draft_model = None
     return args
@@ -842,6 +982,8 @@ def main(argv=None) -> int:
         prompt_files.append((prompt.id, str(path)))
         prompt_info.append({"id": prompt.id, "file": str(path), "chars": len(text), "tokens": n_tokens})
     ctx = context_size([p["tokens"] for p in prompt_info], args.max_new_tokens, args.ctx_size)
+    if args.lockstep:
+        return run_lockstep(args, llama, prompts, prompt_files, ctx, run_dir)
     with tempfile.TemporaryDirectory(prefix="bench_llamacpp_") as tmpdir:
         try:
             jobs = plan_jobs(args, llama.binaries, prompt_files, llama.ngram_types, ctx, dataset, prompt_field,
@@ -888,7 +1030,7 @@ def main(argv=None) -> int:
     print()
     print(f"target {Path(args.target).name}  draft {Path(args.draft_model).name if args.draft_model else '-'}  "
           f"dataset {args.dataset} x{len(prompts)}  new tokens {args.max_new_tokens}  threads {args.threads}  "
-          f"T=0  llama.cpp {(llama.version.get('commit') or 'unknown commit')[:10]} "
+          f"T={args.temperature:g}  llama.cpp {(llama.version.get('commit') or 'unknown commit')[:10]} "
           f"(llama-cpp-python {LLAMA_CPP_PYTHON})")
     print(format_table(rows, ref_setting, cost))
     print(weight_floor_line(rows, limits))

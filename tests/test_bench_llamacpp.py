@@ -172,7 +172,7 @@ def test_specadapt_command_is_greedy_batch_one_with_baseline_and_extras_last():
 def _args(**kw):
     defaults = dict(skip=[], llama_args="", max_new_tokens=32, threads=2, ignore_eos=False, target="t.gguf",
                     repetitions=2, draft_model="d.gguf", num_draft=4, specadapt_args="--seed 1",
-                    specadapt_drafts=["ngram", "model"], limit=1)
+                    specadapt_drafts=["ngram", "model"], limit=1, temperature=0.0)
     defaults.update(kw)
     import argparse
 
@@ -251,3 +251,54 @@ def test_weight_floor_line_sets_target_only_rows_against_the_runs_read_rate():
     assert "llama.cpp target-only 40.0 ms (0.80x)" in line
     assert "specadapt ngram: target-only (paired) 33.3 ms (0.67x)" in line
     assert "specadapt ngram 25.0" not in line  # speculative rows are not set against the floor
+
+
+def test_lockstep_order_pairs_each_prompt_and_flips_the_first_engine():
+    order = bench.lockstep_order(2, 3)
+    assert len(order) == 12
+    pairs = [order[k:k + 2] for k in range(0, 12, 2)]
+    for k, pair in enumerate(pairs):
+        (r0, i0, e0), (r1, i1, e1) = pair
+        assert (r0, i0) == (r1, i1) == (k // 3, k % 3)  # both engines on one prompt back to back
+        assert {e0, e1} == {"llama.cpp", "specadapt"}
+        assert e0 == ("llama.cpp" if k % 2 == 0 else "specadapt")  # ABBA
+
+
+def test_lockstep_pairs_and_summary():
+    results = [(0, 0, "llama.cpp", 30.0), (0, 0, "specadapt", 33.0), (0, 1, "specadapt", 20.0),
+               (0, 1, "llama.cpp", 25.0), (1, 0, "llama.cpp", None), (1, 0, "specadapt", 31.0)]
+    pairs = bench.lockstep_pairs(results)
+    assert [p["ratio"] for p in pairs] == [pytest.approx(1.1), pytest.approx(0.8), None]
+    s = bench.lockstep_summary(pairs)
+    assert s["pairs"] == 2 and s["median"] == pytest.approx(0.95)
+    assert s["geomean"] == pytest.approx((1.1 * 0.8) ** 0.5) and (s["min"], s["max"]) == (pytest.approx(0.8),
+                                                                                        pytest.approx(1.1))
+    assert bench.lockstep_summary([])["median"] is None
+
+
+def test_one_prompt_dataset_is_loadable(tmp_path):
+    from specadapt.datasets import load_prompts
+
+    path = bench.one_prompt_dataset(tmp_path / "p.jsonl", "lcb-7", 'def f(x):\n    return "x"')
+    (prompt,) = load_prompts(path, "prompt", 1)
+    assert prompt.text == 'def f(x):\n    return "x"'
+
+
+def test_lockstep_flag_is_checked():
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--lockstep", "-1"])
+    assert bench.parse_args(["--lockstep", "2"]).lockstep == 2
+
+
+def test_temperature_reaches_both_engines_as_a_plain_softmax():
+    binaries = {"llama-completion": "lc", "llama-speculative-simple": "ls"}
+    greedy = bench.completion_command(binaries, "t.gguf", "p.txt", 32, 2, 512)
+    assert greedy[greedy.index("--temp") + 1] == "0" and "--top-k" not in greedy
+    hot = bench.speculative_command(binaries, "t.gguf", "p.txt", 32, 2, 512, draft="d.gguf", temperature=1.0)
+    for flag, value in (("--temp", "1"), ("--top-k", "0"), ("--top-p", "1"), ("--min-p", "0"), ("--seed", "0")):
+        assert hot[hot.index(flag) + 1] == value
+    sa = bench.specadapt_command("t", "ngram", "x", None, 1, 8, "o", temperature=0.7)
+    assert sa[sa.index("--temperature") + 1] == "0.7" and sa[sa.index("--top-p") + 1] == "1"
+    assert bench.parse_args(["--temperature", "1.0"]).temperature == 1.0
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--temperature", "-1"])
