@@ -21,7 +21,9 @@ never cross. Qwen2 files are not permuted.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -211,18 +213,32 @@ def read_gguf_model(path: str, num_heads: int, num_kv_heads: int, types: set[str
     """
     index = tensor_index(path)
     arch = index["architecture"]
-    data = np.memmap(path, dtype=np.uint8, mode="r")
     out = GGUFModel(architecture=arch)
+    with open(path, "rb") as handle:
+        _read_tensors(handle, index, arch, out, num_heads, num_kv_heads, types, layers)
+    return out
+
+
+def _read_tensors(handle, index: dict, arch: str, out: GGUFModel, num_heads: int, num_kv_heads: int,
+                  types: set[str] | None, layers: int | None) -> None:
+    # Each tensor's bytes are read into a buffer of their own and dropped once decoded (not a memory map of the
+    # file, whose touched pages would count in the process's resident memory beside the decoded copy).
     for gguf_name, (kind, shape, offset, nbytes) in index["tensors"].items():
         name = _hf_name(gguf_name)
         if name is None:
             continue
         if not _in_layers(name, layers):
             continue
-        raw = data[offset:offset + nbytes]
+        def read() -> np.ndarray:
+            handle.seek(offset)
+            raw = np.frombuffer(handle.read(nbytes), dtype=np.uint8)
+            if raw.size != nbytes:
+                raise ValueError(f"{gguf_name}: the file ends {nbytes - raw.size} bytes before this tensor does")
+            return raw
+
         if kind in ("F32", "F16") and len(shape) == 1:
             dtype = np.float32 if kind == "F32" else np.float16
-            out.vectors[name] = torch.from_numpy(np.frombuffer(raw, dtype=dtype).astype(np.float32))
+            out.vectors[name] = torch.from_numpy(np.frombuffer(read(), dtype=dtype).astype(np.float32))
             continue
         out.types[name] = kind
         if kind not in BLOCK_TYPES:
@@ -230,6 +246,7 @@ def read_gguf_model(path: str, num_heads: int, num_kv_heads: int, types: set[str
             continue
         if types is not None and kind not in types:
             continue
+        raw = read()
         cols, rows = shape[:2]  # ggml lists the fastest-varying dimension first
         try:
             if arch in _PERMUTED_QK and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
@@ -238,60 +255,98 @@ def read_gguf_model(path: str, num_heads: int, num_kv_heads: int, types: set[str
             out.matrices[name] = decode_tensor(kind, np.asarray(raw), rows, cols)
         except ValueError as exc:
             raise ValueError(f"{gguf_name}: {exc}") from None
+
+
+_CACHE_DIR = "blocks"  # one safetensors shard per decoder layer plus one for the rest, and index.json
+_CACHE_INDEX = "index.json"
+
+
+def _shard_of(name: str) -> str:
+    """The cache shard a tensor name belongs to: ``layer_NN`` for decoder layer NN, ``model`` otherwise."""
+    m = re.search(r"\.layers\.(\d+)\.", name)
+    return f"layer_{int(m.group(1)):03d}" if m else "model"
+
+
+def _save_block_cache(out: GGUFModel, folder: Path) -> None:
+    """Write ``out`` as per-layer safetensors shards (so serialising holds one layer's bytes at a time, not a
+    second copy of the whole model), then ``index.json`` last: a folder without it is incomplete."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shards: dict[str, dict[str, torch.Tensor]] = {}
+    keys = []
+    for name, w in out.matrices.items():
+        for k, t in zip(("data", "scales", "mins"), w.tensors()):
+            if t is not None:
+                shards.setdefault(_shard_of(name), {})[f"{name}::{k}"] = t.contiguous()
+                keys.append(f"{name}::{k}")
+    for name, v in out.vectors.items():
+        shards.setdefault(_shard_of(name), {})[f"{name}::vector"] = v.contiguous()
+    for shard, tensors in shards.items():
+        save_file(tensors, str(tmp / f"{shard}.safetensors"))
+    meta = {"architecture": out.architecture, "types": out.types, "unsupported": out.unsupported,
+            "matrices": {n: [int(w.format), w.rows] for n, w in out.matrices.items()},
+            "vectors": list(out.vectors), "keys": keys, "shards": sorted(shards)}
+    (tmp / _CACHE_INDEX).write_text(json.dumps(meta), encoding="utf-8")
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.replace(folder)
+
+
+def _read_block_cache(folder: Path, layers: int | None) -> GGUFModel:
+    import json
+
+    from safetensors import safe_open
+
+    meta = json.loads((folder / _CACHE_INDEX).read_text(encoding="utf-8"))
+    out = GGUFModel(architecture=meta["architecture"])
+    out.types, out.unsupported = meta["types"], meta["unsupported"]
+    keys = set(meta["keys"])
+    handles = {}
+    try:
+        def get(key: str, name: str) -> torch.Tensor:
+            shard = _shard_of(name)
+            if shard not in handles:
+                handles[shard] = safe_open(str(folder / f"{shard}.safetensors"), framework="pt")
+            return handles[shard].get_tensor(key)
+
+        for name, (fmt, rows) in meta["matrices"].items():
+            if _in_layers(name, layers):
+                parts = [get(f"{name}::{k}", name) if f"{name}::{k}" in keys else None
+                         for k in ("data", "scales", "mins")]
+                out.matrices[name] = PackedWeight(WeightFormat(fmt), parts[0], parts[1], parts[2], rows)
+        for name in meta["vectors"]:
+            if _in_layers(name, layers):
+                out.vectors[name] = get(f"{name}::vector", name)
+    finally:
+        handles.clear()
     return out
-
-
-_CACHE_FILE = "blocks.safetensors"
 
 
 def load_gguf_model_cached(path: str, num_heads: int, num_kv_heads: int, layers: int | None = None) -> GGUFModel:
     """:func:`read_gguf_model` of every supported type, through a cache of the decoded, interleaved blocks.
 
     The first call decodes the file's blocks (about 15 s for a 1.1 GB file on our CPUs) and saves them with
-    safetensors into the file's derived cache directory (``blocks.safetensors``, about the file's size); later
-    calls read that back. Set ``SPECADAPT_NO_BLOCK_CACHE=1`` to decode every time.
+    safetensors into the file's derived cache directory (``blocks/``: a shard per decoder layer, about the file's
+    size in all, written one shard at a time so the first load's peak memory stays near the decoded model's);
+    later calls read that back. Set ``SPECADAPT_NO_BLOCK_CACHE=1`` to decode every time.
     """
-    import json
     import os
-
-    from safetensors import safe_open
-    from safetensors.torch import save_file
 
     from ..cache_dirs import derived_cache_dir
 
-    cached = derived_cache_dir(path) / _CACHE_FILE
+    folder = derived_cache_dir(path) / _CACHE_DIR
     use_cache = os.environ.get("SPECADAPT_NO_BLOCK_CACHE", "") in ("", "0")
-    if use_cache and cached.is_file():
-        out = GGUFModel(architecture="")
-        with safe_open(str(cached), framework="pt") as f:
-            meta = json.loads(f.metadata()["specadapt"])
-            out.architecture, out.types, out.unsupported = meta["architecture"], meta["types"], meta["unsupported"]
-            for name, (fmt, rows) in meta["matrices"].items():
-                if _in_layers(name, layers):
-                    parts = [f.get_tensor(f"{name}::{k}") if f"{name}::{k}" in meta["keys"] else None
-                             for k in ("data", "scales", "mins")]
-                    out.matrices[name] = PackedWeight(WeightFormat(fmt), parts[0], parts[1], parts[2], rows)
-            for name in meta["vectors"]:
-                if _in_layers(name, layers):
-                    out.vectors[name] = f.get_tensor(f"{name}::vector")
-        return out
+    if use_cache and (folder / _CACHE_INDEX).is_file():
+        return _read_block_cache(folder, layers)
     out = read_gguf_model(path, num_heads, num_kv_heads)
     if use_cache:
-        tensors, keys = {}, []
-        for name, w in out.matrices.items():
-            for k, t in zip(("data", "scales", "mins"), w.tensors()):
-                if t is not None:
-                    tensors[f"{name}::{k}"] = t.contiguous()
-                    keys.append(f"{name}::{k}")
-        for name, v in out.vectors.items():
-            tensors[f"{name}::vector"] = v.contiguous()
-        meta = {"architecture": out.architecture, "types": out.types, "unsupported": out.unsupported,
-                "matrices": {n: [int(w.format), w.rows] for n, w in out.matrices.items()},
-                "vectors": list(out.vectors), "keys": keys}
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(".tmp")
-        save_file(tensors, str(tmp), metadata={"specadapt": json.dumps(meta)})
-        tmp.replace(cached)
+        _save_block_cache(out, folder)
+        (folder.parent / "blocks.safetensors").unlink(missing_ok=True)  # the single-file cache of 2026-12-07
     out.matrices = {n: w for n, w in out.matrices.items() if _in_layers(n, layers)}
     out.vectors = {n: v for n, v in out.vectors.items() if _in_layers(n, layers)}
     return out
