@@ -58,10 +58,16 @@ def main(argv=None) -> int:
     import torch
 
     from specadapt.engine.eagle import default_feature_layers
-    from specadapt.engine.models import attach_forward, load_model
+    from specadapt.engine.models import ModelLoadError, attach_forward, file_blocks_for, load_model
 
-    target = load_model(args.target, dtype=torch.float32)
-    fmt = attach_forward(target, "auto", args.dtype)
+    try:
+        # a K-quant GGUF target (the Qwen2.5-Coder presets) runs on the file's own blocks, loaded without float32
+        file_blocks = file_blocks_for(args.target, "native", args.dtype)
+        target = load_model(args.target, dtype=torch.float32, file_blocks=file_blocks)
+        fmt = attach_forward(target, "native", "gguf" if file_blocks else args.dtype)
+    except (ModelLoadError, ValueError) as exc:
+        print(f"gen_draft_data.py: error: --target / --dtype: {exc}", file=sys.stderr)
+        return 2
     prompts = training_prompts()[: args.limit_prompts]
     layers = default_feature_layers(int(target.model.config.num_hidden_layers))
     logging.info("target %s (%s forward, %s), %d training prompts, feature layers %s, %d threads on %s",
