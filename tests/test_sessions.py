@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from specadapt.cli.sessions import CONTEXT_EDGES, context_position_rounds, run_sessions
+from specadapt.cli.sessions import (CODE_FOLLOW_UPS, CONTEXT_EDGES, context_position_rounds, load_follow_ups,
+                                    run_sessions, turn_prompt)
 from specadapt.datasets import Prompt
 from specadapt.engine import NgramDraft, NoDraft, SpeculativeEngine
 from specadapt.engine.loop import RequestResult, RoundRecord
@@ -35,9 +36,9 @@ def _decode(ids):
 PROBLEMS = [Prompt(f"p{i}", " ".join(str(4 + (5 * i + 3 * j) % 24) for j in range(6))) for i in range(5)]
 
 
-def _run(engine, forced=None, sessions=2, batch_size=2, max_new=12, context=120, reserve=30):
+def _run(engine, forced=None, sessions=2, batch_size=2, max_new=12, context=120, reserve=30, follow_ups=()):
     return run_sessions(engine, _tokenize, _decode, PROBLEMS, sessions, batch_size, max_new, context, reserve,
-                        seed=3, forced=forced)
+                        seed=3, forced=forced, follow_ups=follow_ups)
 
 
 def test_turns_continue_the_conversation_until_the_context_is_nearly_full():
@@ -71,6 +72,49 @@ def test_speculative_sessions_equal_target_only_sessions_in_greedy_decoding():
     paired = _run(SpeculativeEngine(target, NoDraft(), GREEDY, 0, "chain"), forced=forced)
     assert sorted((key(t), t.prompt_ids, t.result.output_ids) for t in paired) == \
            sorted((key(t), t.prompt_ids, t.result.output_ids) for t in spec)
+
+
+def test_turn_prompt_asks_each_problems_follow_ups_before_the_next_problem():
+    fu = ("9 9", "8 8 8")
+    asked = [turn_prompt(PROBLEMS, fu, 2, 1, t) for t in range(7)]
+    assert [p.id for p, _ in asked] == ["p1", "p1+f1", "p1+f2", "p3", "p3+f1", "p3+f2", "p0"]
+    assert [i for _, i in asked] == [1, 1, 1, 3, 3, 3, 5]
+    assert asked[1][0].text == "9 9" and asked[2][0].text == "8 8 8" and asked[3][0] is PROBLEMS[3]
+    assert [turn_prompt(PROBLEMS, (), 2, 0, t)[0] for t in range(3)] == [PROBLEMS[0], PROBLEMS[2], PROBLEMS[4]]
+
+
+def test_follow_up_sessions_follow_the_plan_and_stay_exact():
+    target = loaded(tiny_llama(seed=2))
+    fu = ("7 7 7", "6 6")
+    turns = _run(SpeculativeEngine(target, NgramDraft(), GREEDY, 3, "chain"), follow_ups=fu, context=160)
+    for s in (0, 1):
+        chain = sorted((t for t in turns if t.session == s), key=lambda t: t.turn)
+        assert len(chain) >= 3
+        messages = []
+        for t in chain:
+            want, _ = turn_prompt(PROBLEMS, fu, 2, s, t.turn)
+            assert t.prompt.text == want.text and t.prompt.id == want.id
+            messages = messages + [{"role": "user", "content": want.text}]
+            assert t.prompt_ids == _tokenize(messages)  # the follow-up sees the whole conversation, answers included
+            messages = messages + [{"role": "assistant", "content": _decode(t.result.output_ids)}]
+    base = _run(SpeculativeEngine(target, NoDraft(), GREEDY, 0, "chain"), follow_ups=fu, context=160)
+    key = lambda t: (t.session, t.turn)  # noqa: E731
+    assert sorted((key(t), t.result.output_ids) for t in base) == sorted((key(t), t.result.output_ids) for t in turns)
+
+
+def test_load_follow_ups(tmp_path):
+    assert load_follow_ups("code") == CODE_FOLLOW_UPS and len(CODE_FOLLOW_UPS) == 3
+    assert load_follow_ups(None) == () and load_follow_ups("none") == ()
+    (tmp_path / "f.txt").write_text("first one\n\n  second  \n")
+    assert load_follow_ups(str(tmp_path / "f.txt")) == ("first one", "second")
+    (tmp_path / "f.json").write_text(json.dumps(["a", "b c"]))
+    assert load_follow_ups(str(tmp_path / "f.json")) == ("a", "b c")
+    for bad, text in (("bad.json", "{}"), ("empty.txt", "\n\n"), ("broken.json", "[")):
+        (tmp_path / bad).write_text(text)
+        with pytest.raises(ValueError, match="--follow-ups"):
+            load_follow_ups(str(tmp_path / bad))
+    with pytest.raises(ValueError, match="--follow-ups.*code"):
+        load_follow_ups("no-such-set")
 
 
 def test_context_position_rounds_shift_by_the_prompt():
@@ -113,11 +157,28 @@ def test_generate_session_end_to_end(capsys, tiny_model_dir, tmp_path):
     assert sum(b["rounds"] for b in sessions["acceptance_by_context_position"]) == report["summary"]["rounds"]
     assert report["summary"]["baseline_output_tokens"] == report["summary"]["output_tokens"]  # paired
     assert "acceptance length by context position" in stdout
+    assert sessions["follow_ups"] == []
+
+
+def test_generate_code_session_with_follow_ups(capsys, tiny_model_dir, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"write a function that adds {w}"}) + "\n" for w in WORDS[:2]))
+    out = tmp_path / "sessions.json"
+    code, _, err = _generate(capsys, "--model", str(tiny_model_dir), "--dataset", str(data), "--draft", "ngram",
+                             "--session", "1", "--follow-ups", "code", "--session-reserve", "64",
+                             "--max-new-tokens", "16", "--json", str(out))
+    assert code == 0, err
+    report = json.loads(out.read_text())
+    assert report["sessions"]["follow_ups"] == list(CODE_FOLLOW_UPS)
+    ids = [r["id"] for r in report["requests"]]
+    assert len(ids) >= 2 and ids[1].endswith("+f1")  # the first follow-up comes right after the first problem
 
 
 @pytest.mark.parametrize("argv, flag", [(["--session", "-1"], "--session"),
                                         (["--session", "1", "--session-reserve", "0"], "--session-reserve"),
-                                        (["--session", "1", "--ignore-eos"], "--ignore-eos")])
+                                        (["--session", "1", "--ignore-eos"], "--ignore-eos"),
+                                        (["--follow-ups", "code"], "--session"),
+                                        (["--session", "1", "--follow-ups", "nope"], "--follow-ups")])
 def test_generate_session_bad_flags(capsys, tiny_model_dir, argv, flag):
     code, _, err = _generate(capsys, "--model", str(tiny_model_dir), *argv)
     assert code == 2 and flag in err

@@ -57,6 +57,10 @@ def add_parser(sub) -> None:
                    help="long sessions: S conversations in which every answer ends at EOS and the next problem is "
                         "appended as a new user turn, until the context is nearly full (0 = one request per "
                         "prompt); acceptance is also reported by absolute context position (docs/engine.md)")
+    p.add_argument("--follow-ups", default="none", metavar="F",
+                   help="--session: user turns asked after each problem's answer, in order, before the next problem: "
+                        "'code' (explain and re-emit the code improved, write unit tests for it, fix a stated bug), "
+                        "a .json list of strings, a text file with one follow-up per line, or none")
     p.add_argument("--session-reserve", type=int, default=512,
                    help="--session: ask a next turn only while its prompt leaves this many tokens of context")
     p.add_argument("--bucket-edges", default=d["bucket_edges"], help="output-position bucket edges")
@@ -84,6 +88,14 @@ def _validate(args) -> list[int]:
         raise UsageError(f"--session-reserve must be >= 1, got {args.session_reserve}")
     if args.session and args.ignore_eos:
         raise UsageError("--session ends every answer at its natural EOS: drop --ignore-eos")
+    from .sessions import load_follow_ups
+
+    try:
+        args.follow_up_turns = load_follow_ups(getattr(args, "follow_ups", None))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.follow_up_turns and not args.session:
+        raise UsageError("--follow-ups needs --session S (follow-ups are turns of a session)")
     try:
         edges = [int(x) for x in args.bucket_edges.split(",")]
     except ValueError:
@@ -223,7 +235,7 @@ def _run_sessions(args, built, prompts, context, edges, label) -> int:
             start = time.perf_counter()
             turns = run_sessions(engine, tokenize, decode, prompts, args.session, args.batch_size,
                                  args.max_new_tokens, context, args.session_reserve, args.seed, forced=forced,
-                                 on_tokens=bar.update)
+                                 on_tokens=bar.update, follow_ups=args.follow_up_turns)
             return turns, time.perf_counter() - start, engine.phase_times
 
     turns, spec_seconds, spec_phases = timed(built.engine, label)
@@ -241,6 +253,7 @@ def _run_sessions(args, built, prompts, context, edges, label) -> int:
     by_context = acceptance_by_position(context_position_rounds(turns), CONTEXT_EDGES)
     report["sessions"] = {
         "sessions": args.session,
+        "follow_ups": list(args.follow_up_turns),
         "turns": [sum(1 for t in turns if t.session == s) for s in range(args.session)],
         "context_tokens": [max((len(t.prompt_ids) + len(t.result.output_ids) for t in turns if t.session == s),
                                default=0) for s in range(args.session)],

@@ -8,6 +8,11 @@ adapting"), and no output runs past the model's end of turn (unlike ``--ignore-e
 degenerate). Session ``s`` of ``S`` takes problems ``s, s + S, s + 2S, ...`` of the dataset (cycling), so the
 sessions' problems are disjoint while the dataset lasts.
 
+With follow-ups (``--follow-ups code`` or a file of the user's), each problem's answer is followed by the
+follow-up turns in order (for code: explain the solution and re-emit it improved, write unit tests for it, fix a
+stated bug), each answered to its natural EOS, before the session's next problem: the model revises and re-emits
+its own code, the workload where a draft that learns from the context (TTS, suffix decoding) should shine.
+
 Acceptance is reported by absolute position in the context (:func:`context_position_rounds`) as well as by
 position in the output.
 """
@@ -21,12 +26,76 @@ from typing import Callable
 from ..datasets import Prompt
 from ..engine.loop import Request, RequestResult, RoundRecord
 
-__all__ = ["CONTEXT_EDGES", "SessionTurn", "context_position_rounds", "run_sessions"]
+__all__ = ["CODE_FOLLOW_UPS", "CONTEXT_EDGES", "SessionTurn", "context_position_rounds", "load_follow_ups",
+           "run_sessions", "turn_prompt"]
 
 logger = logging.getLogger(__name__)
 
 #: Bucket edges (tokens of context) for acceptance by absolute position: 0-512-1K-2K-4K-8K and beyond.
 CONTEXT_EDGES = (0, 512, 1024, 2048, 4096, 8192)
+
+#: The bundled follow-ups of a code session (``--follow-ups code``): each makes the model revise and re-emit the
+#: code of its previous answer.
+CODE_FOLLOW_UPS = (
+    "Explain your solution step by step. Then give an improved version of the complete program, with comments "
+    "and checks on the input.",
+    "Write unit tests for your improved program with Python's unittest module, covering normal cases and edge "
+    "cases, and show the complete program together with the tests.",
+    "A user reports a bug: the program crashes when the input is empty or holds a single value. Fix it and show "
+    "the complete corrected program.",
+)
+BUNDLED_FOLLOW_UPS = {"code": CODE_FOLLOW_UPS}
+
+
+def load_follow_ups(spec: str | None) -> tuple[str, ...]:
+    """The follow-up turns named by ``--follow-ups``: ``None`` / ``""`` / ``none`` (no follow-ups), a bundled
+    name (``code``), a ``.json`` file holding a list of strings, or a text file with one follow-up per non-empty
+    line.
+
+    Raises:
+        ValueError: an unknown name, a missing / unreadable file, or a file without follow-ups (the message names
+            ``--follow-ups``).
+    """
+    import json
+    from pathlib import Path
+
+    if spec in (None, "", "none"):
+        return ()
+    if spec in BUNDLED_FOLLOW_UPS:
+        return BUNDLED_FOLLOW_UPS[spec]
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise ValueError(f"--follow-ups {spec!r}: neither a bundled set ({', '.join(BUNDLED_FOLLOW_UPS)}) nor a file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--follow-ups {spec!r}: cannot read the file ({exc})") from None
+    if path.suffix == ".json":
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--follow-ups {spec!r}: not valid JSON ({exc})") from None
+        if not isinstance(items, list) or not all(isinstance(x, str) and x.strip() for x in items):
+            raise ValueError(f"--follow-ups {spec!r}: a .json file must hold a list of non-empty strings")
+    else:
+        items = [line.strip() for line in text.splitlines() if line.strip()]
+    if not items:
+        raise ValueError(f"--follow-ups {spec!r}: the file holds no follow-up")
+    return tuple(x.strip() for x in items)
+
+
+def turn_prompt(problems: list[Prompt], follow_ups: tuple[str, ...], sessions: int, session: int,
+                turn: int) -> tuple[Prompt, int]:
+    """The user message of turn ``turn`` of session ``session`` and the index of the dataset problem it belongs
+    to: with F follow-ups, turns come in groups of F + 1 (the problem, then each follow-up in order), and group g
+    of session s asks problem ``s + sessions * g`` (cycling over ``problems``). A follow-up's id is the problem's
+    id with ``+f1``, ``+f2``, ... appended."""
+    group, j = divmod(turn, len(follow_ups) + 1)
+    index = session + sessions * group
+    problem = problems[index % len(problems)]
+    if j == 0:
+        return problem, index
+    return Prompt(f"{problem.id}+f{j}", follow_ups[j - 1]), index
 
 
 @dataclass
@@ -64,7 +133,8 @@ def context_position_rounds(turns: list[SessionTurn]) -> list[RoundRecord]:
 def run_sessions(engine, tokenize: Callable[[list[dict]], list[int]], decode: Callable[[list[int]], str],
                  problems: list[Prompt], sessions: int, batch_size: int, max_new_tokens: int, context: int,
                  reserve: int = 512, seed: int = 0, forced: dict[tuple[int, int], list[int]] | None = None,
-                 on_tokens: Callable[[int], None] | None = None) -> list[SessionTurn]:
+                 on_tokens: Callable[[int], None] | None = None,
+                 follow_ups: tuple[str, ...] = ()) -> list[SessionTurn]:
     """Run ``sessions`` long sessions on ``engine``, ``batch_size`` of them at a time (continuous batching: a
     session's next turn joins the running batch as soon as its previous answer ends).
 
@@ -80,6 +150,8 @@ def run_sessions(engine, tokenize: Callable[[list[dict]], list[int]], decode: Ca
         forced: target-only engines: ``{(session, turn): token ids}`` to emit instead of sampling (paired
             timing of a speculative run's sessions; the conversation then follows that text).
         on_tokens: called with the number of tokens emitted after every round.
+        follow_ups: user turns asked after each problem's answer, in order, before the next problem
+            (:func:`turn_prompt`, :func:`load_follow_ups`).
 
     Returns:
         The turns in the order they finished.
@@ -101,8 +173,8 @@ def run_sessions(engine, tokenize: Callable[[list[dict]], list[int]], decode: Ca
         t = asked[s]
         if forced is not None and (s, t) not in forced:
             return None
-        problem = problems[(s + sessions * t) % len(problems)]
-        if s + sessions * t == len(problems):
+        problem, index = turn_prompt(problems, tuple(follow_ups), sessions, s, t)
+        if index == len(problems) and t % (len(follow_ups) + 1) == 0:
             logger.warning("sessions: all %d problems asked; later turns repeat them (raise --limit, 0 = all)",
                            len(problems))
         conversation = messages[s] + [{"role": "user", "content": problem.text}]
