@@ -37,9 +37,18 @@ def add_engine_arguments(p) -> None:
     d = ENGINE_DEFAULTS
     p.add_argument("--model", default=d["model"], help="target: smollm2-135m, a HF model directory or a .gguf file")
     p.add_argument(
-        "--draft", default=d["draft"], help="ngram (prompt lookup), eagle (the trained head shipped for smollm2-135m), eagle:PATH "
+        "--draft", default=d["draft"], help="ngram (prompt lookup), suffix (continuation frequencies over this request "
+        "and earlier outputs, sized by the match; docs/suffix.md), eagle (the trained head shipped for smollm2-135m), eagle:PATH "
         "(a head file), self:N (first N target layers), a model path, or none (target-only decoding)"
     )
+    p.add_argument("--suffix-max-depth", type=int, default=8, help="--draft suffix: longest context matched (tokens)")
+    p.add_argument("--suffix-factor", type=float, default=1.0,
+                   help="--draft suffix: drafts per matched token (a round drafts at most ceil(F x match length))")
+    p.add_argument("--suffix-min-prob", type=float, default=0.1,
+                   help="--draft suffix: stop a draft when its estimated probability falls below this")
+    p.add_argument("--suffix-global-tokens", type=int, default=16384,
+                   help="--draft suffix: earlier requests' output tokens kept in the shared index, oldest evicted "
+                        "(0: per request only)")
     p.add_argument("--temperature", type=float, default=d["temperature"], help="0 = greedy")
     p.add_argument("--top-p", type=float, default=d["top_p"], help="nucleus sampling mass, in (0, 1]")
     p.add_argument("--top-k", type=int, default=d["top_k"], help="0 disables top-k")
@@ -55,7 +64,8 @@ def add_engine_arguments(p) -> None:
                    help="biases added to the logits of token ids, e.g. 13:-5,2:1.5 (ids of the target's vocabulary)")
     p.add_argument("--num-draft-tokens", type=int, default=d["num_draft_tokens"],
                    help="L, drafts per round; default by measurement (docs/results.md): 1 for ngram and eagle with "
-                        "chain / block, 2 with gbv, 5 for other drafts and with --adaptive-verification (it prunes)")
+                        "chain / block, 2 with gbv, 5 for other drafts and with --adaptive-verification (it prunes); "
+                        "8 for suffix (a cap: it sizes each round by its match)")
     p.add_argument("--verify", default=d["verify"], choices=list(RULES), help="verification rule: " + "; ".join(
         f"{r.name}: {r.description}" for r in RULES.values()))
     p.add_argument(
@@ -158,14 +168,16 @@ def validate_engine_args(args) -> None:
         import os
 
         if not os.path.exists(args.draft):
-            raise UsageError(f"--draft: {args.draft!r} is neither none, ngram, eagle, eagle:PATH, self:N nor an "
+            raise UsageError(f"--draft: {args.draft!r} is neither none, ngram, suffix, eagle, eagle:PATH, self:N nor an "
                              "existing model directory or .gguf file")
-    if get_rule(args.verify).multi_path and draft_kind == "ngram":
-        raise UsageError(f"--verify {args.verify} needs a sampled draft (eagle, self:N or a model path): the ngram "
-                         "draft proposes one deterministic path")
+    if get_rule(args.verify).multi_path and draft_kind in ("ngram", "suffix"):
+        raise UsageError(f"--verify {args.verify} needs a sampled draft (eagle, self:N or a model path): the "
+                         f"{draft_kind} draft proposes one deterministic path")
+    suffix_config(args)  # every --suffix-* range, named
     if args.tts:
-        if draft_kind == "ngram":
-            raise UsageError("--tts needs a model draft (--draft eagle, self:N or a model path): ngram has no weights")
+        if draft_kind in ("ngram", "suffix"):
+            raise UsageError(f"--tts needs a model draft (--draft eagle, self:N or a model path): {draft_kind} has no "
+                             "weights")
         tts_config(args)  # every --tts-* range, named
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
         raise UsageError(f"--device must be cpu or cuda, got {args.device!r}")
@@ -176,14 +188,19 @@ def validate_engine_args(args) -> None:
 #: L per draft where it was measured (scripts/speedup_study.py on the embedded default, native int4, T = 1.0,
 #: AIME 2024, batch 1 and 3: the fastest L; docs/results.md). Other drafts keep 5.
 MEASURED_NUM_DRAFT_TOKENS = {"ngram": 1, "eagle": 1}
+#: The ``--num-draft-tokens`` default of ``--draft suffix``: a cap, its default ``--suffix-max-depth`` (at factor 1 a
+#: round drafts no more than its match length, at most the depth).
+SUFFIX_NUM_DRAFT_TOKENS = 8
 
 
 def default_num_draft_tokens(draft: str, verify: str, adaptive: bool) -> int:
-    """The ``--num-draft-tokens`` default: 5 with adaptive verification (it prunes each round to what pays) and for
+    """The ``--num-draft-tokens`` default: 8 for ``suffix`` (a cap), 5 with adaptive verification (it prunes each round to what pays) and for
     drafts without a measurement, 2 for ``gbv`` (K paths of 2), else the measured L of the draft family."""
+    family = draft.split(":", 1)[0]
+    if family == "suffix":  # a cap: the draft sizes each round from its match (--suffix-factor x match length)
+        return SUFFIX_NUM_DRAFT_TOKENS
     if adaptive:
         return 5
-    family = draft.split(":", 1)[0]
     if family not in MEASURED_NUM_DRAFT_TOKENS:
         return 5
     measured = get_rule(verify, "verify").measured_num_draft_tokens  # gbv: K paths of 2
@@ -234,14 +251,32 @@ def sampling_params(args):
         raise UsageError(f"{_SAMPLING_FLAGS.get(field, '--' + field.replace('_', '-'))}: {message}") from None
 
 
+def suffix_config(args):
+    """The :class:`~specadapt.engine.suffix.SuffixConfig` of the ``--suffix-*`` flags.
+
+    Raises:
+        UsageError: a value out of range, naming its flag.
+    """
+    from ..engine.suffix import SuffixConfig
+
+    values = {k: getattr(args, f"suffix_{k}", None) for k in ("max_depth", "factor", "min_prob", "global_tokens")}
+    try:
+        return SuffixConfig(**{k: v for k, v in values.items() if v is not None})
+    except ValueError as exc:
+        field = str(exc).split(" ", 1)[0]
+        raise UsageError(f"--suffix-{field.replace('_', '-')}: {exc}") from None
+
+
 def load_target_and_draft(model: str, draft: str, sampling, seed: int, dtype: str, device: str,
-                          error: type[Exception] = UsageError, forward: str = "auto", kv_dtype: str = "auto"):
+                          error: type[Exception] = UsageError, forward: str = "auto", kv_dtype: str = "auto",
+                          suffix=None):
     """Load the target, attach its forward and build the draft as ``specadapt generate`` does.
 
     Args:
         model, draft: ``--model`` / ``--draft`` values; sampling: the run's ``SamplingParams``; dtype: a
             ``--dtype`` weight format; device: ``cpu`` / ``cuda``; forward: ``--forward``; kv_dtype: ``--kv-dtype``.
         error: exception class raised for a bad model, draft or format (its message names the flag).
+        suffix: the ``SuffixConfig`` of ``--draft suffix`` (:func:`suffix_config`; ``None``: defaults).
 
     Returns:
         ``(LoadedModel, Draft)``; ``target.forward_name`` / ``target.weight_format`` say what runs.
@@ -267,7 +302,7 @@ def load_target_and_draft(model: str, draft: str, sampling, seed: int, dtype: st
     logger.info("target %s: %s forward, %s weights", model, target.forward_name, target.weight_format)
     torch_dtype = next(target.model.parameters()).dtype
     try:
-        built = build_draft(draft, target, sampling, seed, dtype=torch_dtype, device=device)
+        built = build_draft(draft, target, sampling, seed, dtype=torch_dtype, device=device, suffix=suffix)
     except (ModelLoadError, VocabularyMismatchError, ValueError, FileNotFoundError) as exc:
         message = str(exc)
         raise error(message if message.startswith("--draft") else f"--draft: {message}") from None
@@ -405,7 +440,8 @@ def build_engine(args, max_batch_size: int, ignore_eos: bool = False, error: typ
 
     sampling = sampling_params(args)
     target, draft = load_target_and_draft(args.model, args.draft, sampling, args.seed, args.dtype, args.device,
-                                          error=error, forward=args.forward, kv_dtype=args.kv_dtype)
+                                          error=error, forward=args.forward, kv_dtype=args.kv_dtype,
+                                          suffix=suffix_config(args) if args.draft == "suffix" else None)
     if sampling.logit_bias and sampling.logit_bias[-1][0] >= target.vocab_size:
         raise error(f"--logit-bias: token id {sampling.logit_bias[-1][0]} is outside the model's vocabulary "
                     f"({target.vocab_size} tokens)")

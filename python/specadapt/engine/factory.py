@@ -1,4 +1,4 @@
-"""Build a draft from its command-line spec (``none``, ``ngram``, ``eagle``, ``eagle:PATH``, ``self:N``, or a model path)."""
+"""Build a draft from its command-line spec (``none``, ``ngram``, ``suffix``, ``eagle``, ``eagle:PATH``, ``self:N``, or a model path)."""
 
 from __future__ import annotations
 
@@ -17,13 +17,14 @@ _SELF = re.compile(r"^self:(\d+)$")
 
 
 def parse_draft_spec(spec: str) -> tuple[str, int | str | None]:
-    """Split a draft spec into ``("none", None)`` (target-only), ``("ngram", None)``, ``("eagle", path or None)``, ``("self", N)`` or
+    """Split a draft spec into ``("none", None)`` (target-only), ``("ngram", None)``, ``("suffix", None)``,
+    ``("eagle", path or None)``, ``("self", N)`` or
     ``("model", path)``.
 
     Raises:
         ValueError: a ``self:`` spec without a positive integer.
     """
-    if spec in ("ngram", "none"):
+    if spec in ("ngram", "none", "suffix"):
         return spec, None
     if spec == "eagle":
         return "eagle", None
@@ -47,9 +48,11 @@ def build_draft(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     native_format: str | None = None,
+    suffix=None,
 ) -> Draft:
     """Construct the draft named by ``spec`` for ``target``. When the target runs on the native forward, a model
-    draft does too, in ``native_format`` (default: the target's weight format).
+    draft does too, in ``native_format`` (default: the target's weight format). ``suffix``: the
+    :class:`~specadapt.engine.suffix.SuffixConfig` of ``--draft suffix`` (default settings when ``None``).
 
     Raises:
         ValueError: bad ``self:N``, an EAGLE head that does not fit the target, or ``eagle`` for a target
@@ -64,6 +67,10 @@ def build_draft(
         return NoDraft()
     if kind == "ngram":
         return NgramDraft()
+    if kind == "suffix":
+        from .suffix import SuffixDraft
+
+        return SuffixDraft(suffix)
     if kind == "eagle":
         return _eagle(value, target, sampling, draft_seed, spec, native_format)
     if kind == "self":
