@@ -4,6 +4,8 @@ the first tokens equal to the target's exact joint (chi-square) under chain and 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -35,18 +37,30 @@ def test_speculate_follows_the_most_frequent_continuation_and_sizes_by_the_match
     index.add([5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 3])
     cfg = SuffixConfig(max_depth=4, factor=1.0, min_prob=0.0)
     # the history ends with "5 6": a 2-token match drafts ceil(1.0 * 2) = 2 tokens
-    out, match = speculate([index], [1, 5, 6], 10, cfg)
+    out, match, _ = speculate([index], [1, 5, 6], 10, cfg)
     assert match == 2 and out == [7, 8]  # after "5 6 7", 8 followed twice and 3 once
     # a 3-token match at factor 2 drafts 6, each step from the longest context of the text so far
-    out, match = speculate([index], [4, 5, 6, 7], 10, SuffixConfig(max_depth=4, factor=2.0, min_prob=0.0))
+    out, match, _ = speculate([index], [4, 5, 6, 7], 10, SuffixConfig(max_depth=4, factor=2.0, min_prob=0.0))
     assert match == 3 and out == [8, 9, 5, 6, 7, 3]  # the last from "9 5 6 7": 8 and 3 once each, tie -> 3
     # the deepest context wins over a more frequent shallower one: "9 5 6 7" was followed by 8 once and 3 once
-    assert speculate([index], [9, 5, 6, 7], 1, cfg) == ([3], 4)  # a tie goes to the smaller id
+    assert speculate([index], [9, 5, 6, 7], 1, cfg)[:2] == ([3], 4)  # a tie goes to the smaller id
     assert speculate([index], [1, 5, 6], 1, cfg)[0] == [7]  # max_tokens caps the budget
-    assert speculate([index], [42], 10, cfg) == ([], 0)  # no match, no draft
+    assert speculate([index], [42], 10, cfg) == ([], 0, [])  # no match, no draft
     # min_prob stops a path at its first uncertain step: "7" continues to 8 (2/3) or 3 (1/3)
     assert speculate([index], [5, 6, 7], 10, SuffixConfig(max_depth=4, factor=4.0, min_prob=0.7))[0] == []
     assert speculate([index], [5, 6, 7], 10, SuffixConfig(max_depth=4, factor=4.0, min_prob=0.6))[0][:1] == [8]
+
+
+def test_confidences_are_the_smoothed_logit_of_the_continuation_share():
+    from specadapt.engine.suffix import step_confidence
+
+    index = ContinuationIndex(2)
+    index.add([1, 2, 1, 2, 1, 2, 1, 3])
+    out, match, conf = speculate([index], [1], 2, SuffixConfig(max_depth=2, factor=2.0, min_prob=0.0))
+    # after "1": 2 three times, 3 once -> logit(3 / 5); after "1 2": 1 three times -> logit(3 / 4)
+    assert out == [2, 1] and match == 1
+    assert conf == [pytest.approx(math.log(3 / 2)), pytest.approx(math.log(3 / 1))]
+    assert step_confidence(1, 1) == 0.0
 
 
 def test_config_errors_name_the_field():
@@ -68,6 +82,7 @@ def test_outputs_of_finished_requests_feed_the_global_index_bounded():
     assert proposal.num_tokens.tolist() == [2] and proposal.tokens[0, :2].tolist() == [5, 6]
     assert torch.equal(proposal.probs[0, :2].argmax(-1), torch.tensor([5, 6]))
     assert draft.last_match.tolist() == [2]
+    assert proposal.confidence.shape == (1, 2) and proposal.confidence[0, 0] == 0.0  # seen once: logit(1 / 2)
     # more outputs than global_tokens: the oldest request's tokens are evicted first
     for start in (20, 30):
         h = [0, start, start + 1, start + 2, start + 3, start + 4, start + 5]
@@ -133,3 +148,29 @@ def test_suffix_flag_errors_name_the_flag(capsys, tiny_model_dir, argv, flag):
 
     code, _, err = run_generate(capsys, "--model", str(tiny_model_dir), "--draft", "suffix", *argv)
     assert code == 2 and flag in err
+
+
+@pytest.mark.parametrize("kind", ["ngram", "suffix"])
+def test_adaptive_verification_fits_deterministic_drafts_on_their_own_feature(tiny_target, kind):
+    """Under adaptive verification a deterministic draft's feature is its confidence (match size for ngram, the
+    smoothed continuation share for suffix), not logit(q_max) = 40 of its one-hot q; greedy output unchanged."""
+    import io
+    import json
+
+    from specadapt.budget.adaptive import AdaptiveVerification, CostTable
+    from specadapt.engine import NgramDraft
+    from specadapt.estimator import AcceptanceEstimator
+
+    n = 24
+    expected = [naive_greedy(tiny_target.model, p, n) for p in PROMPTS]
+    costs = CostTable(target_ms=[10.0, 10.5, 11.0, 11.5, 12.0, 12.5] + [13.0 + i for i in range(20)],
+                      draft_ms=[0.0] * 4)
+    log = io.StringIO()
+    av = AdaptiveVerification(AcceptanceEstimator(4, refit_interval=5), costs, draft_log=log)
+    draft = NgramDraft() if kind == "ngram" else SuffixDraft(SuffixConfig(max_depth=4, factor=2.0, min_prob=0.0))
+    results = SpeculativeEngine(tiny_target, draft, GREEDY, 4, "chain", adaptive=av).generate(PROMPTS, n,
+                                                                                             batch_size=4)
+    assert [r.output_ids for r in results] == expected
+    features = [json.loads(line)["feature"] for line in log.getvalue().splitlines()]
+    assert features, "nothing verified: the test would be vacuous"
+    assert max(features) < 40.0 and len(set(features)) > 1

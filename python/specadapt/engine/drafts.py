@@ -56,11 +56,17 @@ class DraftProposal:
         tokens: ``[B, L] int64`` drafted ids (entries past ``num_tokens`` are padding, 0).
         probs: ``[B, L, V] float32`` the rows ``q(. | X^i)`` each token was sampled from.
         num_tokens: ``[B] int64`` how many drafts each request proposes (``<= L``).
+        confidence: ``[B, L] float32`` or ``None``: the acceptance estimator's feature of each draft where the
+            draft knows more than its q rows say: deterministic drafts (``ngram``, ``suffix``), whose one-hot q
+            gives every draft the same ``logit(q_max)`` and so tells the estimator nothing. ``None``: the
+            estimator uses ``logit(q_max)`` of ``probs``. It depends on the history only, never on the target's
+            coins, so pruning on it keeps verification lossless.
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor
     num_tokens: torch.Tensor
+    confidence: torch.Tensor | None = None
 
 
 class Draft:
@@ -250,6 +256,8 @@ def trim_proposal(proposal: DraftProposal) -> None:
     if width < proposal.tokens.shape[1]:
         proposal.tokens = proposal.tokens[:, :width]
         proposal.probs = proposal.probs[:, :width]
+        if proposal.confidence is not None:
+            proposal.confidence = proposal.confidence[:, :width]
 
 
 def empty_proposal(batch: int, length: int, vocab: int) -> DraftProposal:
@@ -324,6 +332,10 @@ class NgramIndex:
     def lookup(self, max_tokens: int) -> list[int]:
         """The tokens :func:`ngram_lookup` proposes for the history as it is now (a list of at most
         ``max_tokens`` ids)."""
+        return self.lookup_with_match(max_tokens)[0]
+
+    def lookup_with_match(self, max_tokens: int) -> tuple[list[int], int]:
+        """:meth:`lookup` and the size n of the n-gram it matched (0: no match)."""
         h = self.history
         size = len(h)
         for c in range(self._indexed, size):
@@ -332,12 +344,19 @@ class NgramIndex:
                     table[tuple(h[c - n : c])] = c
         self._indexed = size  # (indexes() refuses a history shorter than this)
         if max_tokens <= 0:
-            return []
+            return [], 0
         for n in range(min(self.max_ngram, size - 1), self.min_ngram - 1, -1):
             c = self._tables[n].get(tuple(h[size - n :]))
             if c is not None:
-                return h[c : c + max_tokens]
-        return []
+                return h[c : c + max_tokens], n
+        return [], 0
+
+
+def ngram_confidence(match: int, k: int) -> torch.Tensor:
+    """The estimator's feature of ``k`` n-gram drafts proposed after an n-gram match of size ``match``: the match
+    size, the same for every draft of the chain (the estimator's per-position intercepts model the decay along
+    it). A longer matched context is likelier to continue as before."""
+    return torch.full((k,), float(match), dtype=torch.float32)
 
 
 class NgramDraft(Draft):
@@ -368,6 +387,7 @@ class NgramDraft(Draft):
         limits = max_tokens.tolist()
         length = max(limits, default=0)
         proposal = empty_proposal(batch, length, vocab_size)
+        confidence = torch.zeros(batch, length, dtype=torch.float32)
         indexes = {}
         found_counts = []
         for r, history in enumerate(histories):
@@ -375,15 +395,17 @@ class NgramDraft(Draft):
                 history = [int(t) for t in history]
             index = self._index(history)
             indexes[id(history)] = index
-            found = index.lookup(int(limits[r]))
+            found, n = index.lookup_with_match(int(limits[r]))
             k = len(found)
             if k:
                 ids = torch.tensor(found, dtype=torch.int64)
                 proposal.tokens[r, :k] = ids
                 proposal.probs[r, torch.arange(k), ids] = 1.0
+                confidence[r, :k] = ngram_confidence(n, k)
             found_counts.append(k)
         self._indexes = indexes  # requests that left the batch drop their index
         proposal.num_tokens = torch.tensor(found_counts, dtype=torch.int64)
+        proposal.confidence = confidence
         return proposal
 
 

@@ -617,12 +617,17 @@ class SpeculativeEngine:
         proposal = self.draft.propose(histories, max_drafts, self.vocab_size, draft_filter=self._draft_filter)
         n_draft = proposal.num_tokens
         if self.adaptive is not None:
-            n_draft, features, predictions = self.adaptive.plan(proposal.probs, n_draft)
+            confidence = getattr(proposal, "confidence", None)  # a deterministic draft's own feature
+            n_draft, features, predictions = (
+                self.adaptive.plan(proposal.probs, n_draft) if confidence is None
+                else self.adaptive.plan_features(confidence[:, :proposal.tokens.shape[1]].float(), n_draft))
         batch, width = proposal.tokens.shape
         proposed, drafted = width, max(n_draft.tolist(), default=0)
         if drafted < width:  # trailing columns no row verifies (an n-gram miss, a pruned budget): a narrower
             # verify chunk, dense when no row drafts; each slot's coin does not depend on the width
             proposal.tokens, proposal.probs, width = proposal.tokens[:, :drafted], proposal.probs[:, :drafted], drafted
+            if getattr(proposal, "confidence", None) is not None:
+                proposal.confidence = proposal.confidence[:, :drafted]
         last = torch.tensor([h[-1] for h in histories], dtype=torch.int64)
         candidates = torch.cat([last[:, None], proposal.tokens], dim=1)  # [B, width+1]
         out = kv.forward(candidates, n_draft + 1, return_outputs=True, **self._hidden_kwargs)

@@ -22,6 +22,9 @@ Exactness: the draft is deterministic (``q`` is one-hot on each drafted token), 
 draft ``i`` with probability ``p_i(x_i)`` and the output's law is the target's, exactly as for ``ngram`` (tested
 by exact enumeration and chi-square in tests/test_suffix.py).
 
+Adaptive verification: each draft's :func:`step_confidence` is the estimator's feature
+(``DraftProposal.confidence``), since a one-hot q row says nothing about how likely the draft is.
+
 Memory: an index holds up to ``max_depth`` entries per indexed token; the global index keeps at most
 ``global_tokens`` tokens of earlier outputs, evicting whole oldest requests first (0: per request only).
 """
@@ -36,7 +39,7 @@ import torch
 
 from .drafts import Draft, empty_proposal
 
-__all__ = ["ContinuationIndex", "SuffixConfig", "SuffixDraft", "speculate"]
+__all__ = ["ContinuationIndex", "SuffixConfig", "SuffixDraft", "speculate", "step_confidence"]
 
 
 @dataclass(frozen=True)
@@ -132,12 +135,21 @@ def _counts(indexes, context: tuple) -> dict[int, int] | None:
     return merged
 
 
-def speculate(indexes, history: list[int], max_tokens: int, config: SuffixConfig) -> tuple[list[int], int]:
+def step_confidence(count: int, total: int) -> float:
+    """The estimator's feature of a drafted token that followed its context ``count`` times out of ``total``:
+    ``logit(count / (total + 1))`` (one unseen outcome added, so a context seen once gives 0 and one seen five
+    times with one continuation 1.6, never the saturated value of a one-hot q)."""
+    return math.log(count) - math.log(total + 1 - count)
+
+
+def speculate(indexes, history: list[int], max_tokens: int,
+              config: SuffixConfig) -> tuple[list[int], int, list[float]]:
     """One round's draft after ``history`` from the continuation counts of ``indexes`` (added together).
 
     Returns:
-        ``(tokens, match length)``: at most ``min(max_tokens, ceil(factor x match))`` ids (see the module
-        docstring), and the length of the longest suffix of ``history`` found as a context (0: none).
+        ``(tokens, match length, confidences)``: at most ``min(max_tokens, ceil(factor x match))`` ids (see the
+        module docstring), the length of the longest suffix of ``history`` found as a context (0: none), and
+        each token's :func:`step_confidence` (the adaptive verification estimator's feature).
     """
     depth = config.max_depth
     tail = list(history[-depth:])
@@ -147,9 +159,10 @@ def speculate(indexes, history: list[int], max_tokens: int, config: SuffixConfig
             match = n
             break
     if match == 0 or max_tokens <= 0:
-        return [], match
+        return [], match, []
     budget = min(int(max_tokens), math.ceil(config.factor * match))
     out: list[int] = []
+    confidences: list[float] = []
     prob = 1.0
     n = match
     while len(out) < budget:
@@ -162,13 +175,15 @@ def speculate(indexes, history: list[int], max_tokens: int, config: SuffixConfig
         if row is None:
             break
         token, count = max(row.items(), key=lambda kv: (kv[1], -kv[0]))  # ties: the smaller id (deterministic)
-        prob *= count / sum(row.values())
+        total = sum(row.values())
+        prob *= count / total
         if prob < config.min_prob:
             break
         out.append(token)
+        confidences.append(step_confidence(count, total))
         tail.append(token)
         n = min(n + 1, depth)
-    return out, match
+    return out, match, confidences
 
 
 class SuffixDraft(Draft):
@@ -238,6 +253,7 @@ class SuffixDraft(Draft):
             self._rows = [self._new_row(h) for h in histories]
         limits = max_tokens.tolist()
         proposal = empty_proposal(batch, max(limits, default=0), vocab_size)
+        confidence = torch.zeros(proposal.tokens.shape, dtype=torch.float32)
         counts, matches = [], []
         for r, history in enumerate(histories):
             if not isinstance(history, list):
@@ -249,14 +265,16 @@ class SuffixDraft(Draft):
                 row["history"] = history
             row["index"].extend(history, row["indexed"])
             row["indexed"] = len(history)
-            found, match = speculate((row["index"], self.global_index), history, int(limits[r]), self.config)
+            found, match, conf = speculate((row["index"], self.global_index), history, int(limits[r]), self.config)
             k = len(found)
             if k:
                 ids = torch.tensor(found, dtype=torch.int64)
                 proposal.tokens[r, :k] = ids
                 proposal.probs[r, torch.arange(k), ids] = 1.0
+                confidence[r, :k] = torch.tensor(conf, dtype=torch.float32)
             counts.append(k)
             matches.append(match)
         proposal.num_tokens = torch.tensor(counts, dtype=torch.int64)
+        proposal.confidence = confidence
         self.last_match = torch.tensor(matches, dtype=torch.int64)
         return proposal
