@@ -166,18 +166,22 @@ def test_generate_code_session_with_follow_ups(capsys, tiny_model_dir, tmp_path)
     out = tmp_path / "sessions.json"
     code, _, err = _generate(capsys, "--model", str(tiny_model_dir), "--dataset", str(data), "--draft", "ngram",
                              "--session", "1", "--follow-ups", "code", "--session-reserve", "64",
+                             "--session-context", "400",
                              "--max-new-tokens", "16", "--json", str(out))
     assert code == 0, err
     report = json.loads(out.read_text())
     assert report["sessions"]["follow_ups"] == list(CODE_FOLLOW_UPS)
     ids = [r["id"] for r in report["requests"]]
     assert len(ids) >= 2 and ids[1].endswith("+f1")  # the first follow-up comes right after the first problem
+    assert max(report["sessions"]["context_tokens"]) <= 400  # --session-context caps the conversation
 
 
 @pytest.mark.parametrize("argv, flag", [(["--session", "-1"], "--session"),
                                         (["--session", "1", "--session-reserve", "0"], "--session-reserve"),
                                         (["--session", "1", "--ignore-eos"], "--ignore-eos"),
                                         (["--follow-ups", "code"], "--session"),
+                                        (["--session", "1", "--session-context", "-1"], "--session-context"),
+                                        (["--session", "1", "--session-context", "4"], "--session-context"),
                                         (["--session", "1", "--follow-ups", "nope"], "--follow-ups")])
 def test_generate_session_bad_flags(capsys, tiny_model_dir, argv, flag):
     code, _, err = _generate(capsys, "--model", str(tiny_model_dir), *argv)

@@ -61,6 +61,9 @@ def add_parser(sub) -> None:
                    help="--session: user turns asked after each problem's answer, in order, before the next problem: "
                         "'code' (explain and re-emit the code improved, write unit tests for it, fix a stated bug), "
                         "a .json list of strings, a text file with one follow-up per line, or none")
+    p.add_argument("--session-context", type=int, default=0, metavar="N",
+                   help="--session: end each session when its context would pass N tokens (0: the model's window; "
+                        "the coder presets' is 32K, so 8192 keeps a code session to 8K)")
     p.add_argument("--session-reserve", type=int, default=512,
                    help="--session: ask a next turn only while its prompt leaves this many tokens of context")
     p.add_argument("--bucket-edges", default=d["bucket_edges"], help="output-position bucket edges")
@@ -84,6 +87,8 @@ def _validate(args) -> list[int]:
         raise UsageError(f"--limit must be >= 0, got {args.limit}")
     if args.session < 0:
         raise UsageError(f"--session must be >= 0 (0 = one request per prompt), got {args.session}")
+    if args.session_context < 0:
+        raise UsageError(f"--session-context must be >= 0 (0 = the model's window), got {args.session_context}")
     if args.session_reserve < 1:
         raise UsageError(f"--session-reserve must be >= 1, got {args.session_reserve}")
     if args.session and args.ignore_eos:
@@ -141,6 +146,12 @@ def run(args) -> int:
 
     label = f"speculative ({args.draft}{' + TTS' if tts else ''})"
     if args.session:
+        if args.session_context:
+            context = min(context, args.session_context)
+            longest = max(len(ids) for ids in token_ids)
+            if longest + 1 >= context:
+                raise UsageError(f"--session-context {args.session_context}: a first prompt has {longest} tokens; "
+                                 "raise it or drop the longest problems")
         return _run_sessions(args, built, prompts, context, edges, label)
     spec_results, spec_seconds, spec_phases = _timed(spec_engine, token_ids, limits, args, label)
     built.close()
