@@ -134,7 +134,7 @@ def test_generate_with_the_suffix_draft(capsys, tiny_model_dir, tmp_path):
                                 "--json", str(out))
     assert code == 0, err
     report = json.loads(out.read_text())
-    assert report["config"]["draft"] == "suffix" and report["config"]["num_draft_tokens"] == 8
+    assert report["config"]["draft"] == "suffix" and report["config"]["num_draft_tokens"] == 4
     assert report["summary"]["output_tokens"] == report["summary"]["baseline_output_tokens"]
 
 
