@@ -260,6 +260,21 @@ def trim_proposal(proposal: DraftProposal) -> None:
             proposal.confidence = proposal.confidence[:, :width]
 
 
+def fill_deterministic_row(proposal: DraftProposal, row: int, tokens: list[int],
+                           confidence: torch.Tensor | None = None) -> None:
+    """Write a deterministic draft's ``tokens`` (at most ``L`` ids) into row ``row`` of ``proposal``: the ids, q
+    one-hot on each, and (when ``proposal.confidence`` is a ``[B, L]`` tensor) the estimator's feature of each
+    draft from ``confidence [len(tokens)] float32``. ``num_tokens`` is the caller's."""
+    k = len(tokens)
+    if not k:
+        return
+    ids = torch.tensor(tokens, dtype=torch.int64)
+    proposal.tokens[row, :k] = ids
+    proposal.probs[row, torch.arange(k), ids] = 1.0
+    if confidence is not None and proposal.confidence is not None:
+        proposal.confidence[row, :k] = confidence
+
+
 def empty_proposal(batch: int, length: int, vocab: int) -> DraftProposal:
     """A proposal of no drafts to fill: ``tokens [batch, length] int64`` and ``probs [batch, length, vocab] float32``
     zeros, ``num_tokens [batch] int64`` zeros."""
@@ -387,7 +402,7 @@ class NgramDraft(Draft):
         limits = max_tokens.tolist()
         length = max(limits, default=0)
         proposal = empty_proposal(batch, length, vocab_size)
-        confidence = torch.zeros(batch, length, dtype=torch.float32)
+        proposal.confidence = torch.zeros(batch, length, dtype=torch.float32)
         indexes = {}
         found_counts = []
         for r, history in enumerate(histories):
@@ -396,16 +411,10 @@ class NgramDraft(Draft):
             index = self._index(history)
             indexes[id(history)] = index
             found, n = index.lookup_with_match(int(limits[r]))
-            k = len(found)
-            if k:
-                ids = torch.tensor(found, dtype=torch.int64)
-                proposal.tokens[r, :k] = ids
-                proposal.probs[r, torch.arange(k), ids] = 1.0
-                confidence[r, :k] = ngram_confidence(n, k)
-            found_counts.append(k)
+            fill_deterministic_row(proposal, r, found, ngram_confidence(n, len(found)))
+            found_counts.append(len(found))
         self._indexes = indexes  # requests that left the batch drop their index
         proposal.num_tokens = torch.tensor(found_counts, dtype=torch.int64)
-        proposal.confidence = confidence
         return proposal
 
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafts import Draft, empty_proposal
+from .drafts import Draft, empty_proposal, fill_deterministic_row
 
 __all__ = ["ContinuationIndex", "SuffixConfig", "SuffixDraft", "speculate", "step_confidence"]
 
@@ -240,11 +240,9 @@ class SuffixDraft(Draft):
             self.global_index.add(output)
             self._global[self._next_id] = output
             self._next_id += 1
-            total = sum(len(s) for s in self._global.values())
-            while total > limit and self._global:
+            while self.global_index.tokens > limit and self._global:
                 _, old = self._global.popitem(last=False)
                 self.global_index.remove(old)
-                total -= len(old)
 
     # ---- drafting -------------------------------------------------------------------------------------------
     def propose(self, histories, max_tokens, vocab_size, draft_filter=None):
@@ -253,7 +251,7 @@ class SuffixDraft(Draft):
             self._rows = [self._new_row(h) for h in histories]
         limits = max_tokens.tolist()
         proposal = empty_proposal(batch, max(limits, default=0), vocab_size)
-        confidence = torch.zeros(proposal.tokens.shape, dtype=torch.float32)
+        proposal.confidence = torch.zeros(proposal.tokens.shape, dtype=torch.float32)
         counts, matches = [], []
         for r, history in enumerate(histories):
             if not isinstance(history, list):
@@ -266,15 +264,9 @@ class SuffixDraft(Draft):
             row["index"].extend(history, row["indexed"])
             row["indexed"] = len(history)
             found, match, conf = speculate((row["index"], self.global_index), history, int(limits[r]), self.config)
-            k = len(found)
-            if k:
-                ids = torch.tensor(found, dtype=torch.int64)
-                proposal.tokens[r, :k] = ids
-                proposal.probs[r, torch.arange(k), ids] = 1.0
-                confidence[r, :k] = torch.tensor(conf, dtype=torch.float32)
-            counts.append(k)
+            fill_deterministic_row(proposal, r, found, torch.tensor(conf, dtype=torch.float32))
+            counts.append(len(found))
             matches.append(match)
         proposal.num_tokens = torch.tensor(counts, dtype=torch.int64)
-        proposal.confidence = confidence
         self.last_match = torch.tensor(matches, dtype=torch.int64)
         return proposal
