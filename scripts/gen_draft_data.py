@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "python"))
 
 from specadapt.draft_train.data import GenerationConfig, generate_shards  # noqa: E402
-from specadapt.draft_train.split import training_prompts  # noqa: E402
+from specadapt.draft_train.split import PROMPT_SETS, training_prompts  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -40,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--max-samples-per-prompt", type=int, default=d.max_samples_per_prompt)
     p.add_argument("--shard-sequences", type=int, default=d.shard_sequences)
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--prompts", choices=sorted(PROMPT_SETS), default="all",
+                   help="training prompt set: MATH-500 [100, 500) and LiveCodeBench [32, 166) (all), or one of them")
     p.add_argument("--limit-prompts", type=int, default=None, help="use only the first N training prompts (tests)")
     return p.parse_args(argv)
 
@@ -68,7 +70,7 @@ def main(argv=None) -> int:
     except (ModelLoadError, ValueError) as exc:
         print(f"gen_draft_data.py: error: --target / --dtype: {exc}", file=sys.stderr)
         return 2
-    prompts = training_prompts()[: args.limit_prompts]
+    prompts = training_prompts(args.prompts)[: args.limit_prompts]
     layers = default_feature_layers(int(target.model.config.num_hidden_layers))
     logging.info("target %s (%s forward, %s), %d training prompts, feature layers %s, %d threads on %s",
                  args.target, target.forward_name, fmt, len(prompts), layers, torch.get_num_threads(),

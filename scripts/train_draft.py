@@ -39,10 +39,15 @@ def parse_args(argv=None):
     d = TrainConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", default="smollm2-135m", help="target model (embedded default or HF directory)")
-    p.add_argument("--data", default=str(ROOT / "runs" / "draft_data"), help="directory of gen_draft_data.py")
+    p.add_argument("--data", nargs="+", default=[str(ROOT / "runs" / "draft_data")],
+                   help="one or more directories of gen_draft_data.py (same target and feature layers); a prompt in "
+                        "several of them is one prompt for the validation split")
     p.add_argument("--draft-vocab", default="16384",
                    help="draft vocabulary size (the most frequent answer tokens), or 'init': the --init-from head's own "
                         "vocabulary (a warm start that keeps it starts exactly where that head is)")
+    p.add_argument("--intermediate-size", type=int, default=None,
+                   help="MLP width of the head's decoder layer (default: the target's; 2816 for qwen2.5-coder-1.5b "
+                        "keeps the head's file under 64 MB and its step near 0.05 of the target's)")
     p.add_argument("--steps", type=int, default=d.steps, help="unrolled drafting steps")
     p.add_argument("--step-decay", type=float, default=d.step_decay, help="loss weight of step s: decay^(s-1)")
     p.add_argument("--divergence", choices=["fkl", "tvd"], default=d.divergence,
@@ -114,7 +119,14 @@ def _vocab_study(target, native, train, validation, eos, keys) -> dict:
     out = {"machine": cpu_name(), "target_step_ms": target_ms, "format": native.dtype_name, "sizes": {}}
     for size in VOCAB_SIZES + (target.vocab_size,):
         vocab = top_vocabulary(counts, size, always=eos)
-        head = EagleHead(target.model.config, layers, vocab).attach(target.model)
+        width = args.intermediate_size
+    if width is None and start is not None:
+        width = int(start.config.intermediate_size)
+    try:
+        head = EagleHead(target.model.config, layers, vocab, intermediate_size=width).attach(target.model, native)
+    except ValueError as exc:
+        print(f"train_draft.py: error: --intermediate-size: {exc}", file=sys.stderr)
+        return 2
         nh = NativeEagleHead(head, native)
         hcache = _native_cache(nh, 1, 512, 1)
         feats = torch.randn(1, 1, native.hidden_size)
@@ -131,6 +143,14 @@ def _vocab_study(target, native, train, validation, eos, keys) -> dict:
         logger.info("draft vocabulary %d: step %.2f ms (%.3f of the target's), coverage %s", size, ms, ms / target_ms,
                     {k: round(c, 4) for k, c in row["coverage"].items()})
     return out
+
+
+def _packaged_path(default_path, target: str):
+    """The packaged head file of ``target`` (``None`` for a target with no shipped head)."""
+    try:
+        return default_path(target)
+    except ValueError:
+        return None
 
 
 def main(argv=None) -> int:
@@ -166,20 +186,52 @@ def main(argv=None) -> int:
     from specadapt.draft_train.vocab import answer_token_counts, coverage, top_vocabulary
     from specadapt.engine.eagle import (EagleHead, default_feature_layers, eagle_default_path, load_eagle_head,
                                        save_eagle_head)
-    from specadapt.engine.models import attach_forward, load_model
+    from specadapt.engine.models import attach_forward, file_blocks_for, load_model
 
-    manifest = read_manifest(args.data)
-    if manifest is None or not shard_paths(args.data):
-        print(f"train_draft.py: error: --data {args.data} holds no generated data (run scripts/gen_draft_data.py)",
-              file=sys.stderr)
-        return 2
+    manifests = []
+    for directory in args.data:
+        manifest = read_manifest(directory)
+        if manifest is None or not shard_paths(directory):
+            print(f"train_draft.py: error: --data {directory} holds no generated data (run scripts/gen_draft_data.py)",
+                  file=sys.stderr)
+            return 2
+        manifests.append(manifest)
+    for directory, other in zip(args.data[1:], manifests[1:]):
+        for key in ("target", "weight_format", "feature_layers"):
+            if other["identity"].get(key) != manifests[0]["identity"].get(key):
+                print(f"train_draft.py: error: --data {directory} was generated with another {key} "
+                      f"({other['identity'].get(key)!r} != {manifests[0]['identity'].get(key)!r})", file=sys.stderr)
+                return 2
+    manifest = manifests[0]
+    keys: list[str] = []  # prompt keys of every directory; a sequence's job[0] indexes this list
+    key_index: dict[str, int] = {}
+    remaps = []
+    for m in manifests:
+        remap = []
+        for key in m["identity"]["prompts"]:
+            if key not in key_index:
+                key_index[key] = len(keys)
+                keys.append(key)
+            remap.append(key_index[key])
+        remaps.append(remap)
     torch.manual_seed(args.seed)
     t0 = time.time()
-    target = load_model(args.target, dtype=torch.float32)
+    # a K-quant GGUF target (qwen2.5-coder-1.5b) is loaded on its own blocks: the head shares its embedding and LM
+    # head from the native model (de-quantised rows), as the engine runs it
+    file_blocks = file_blocks_for(args.target, "native", "auto")
+    target = load_model(args.target, dtype=torch.float32, file_blocks=file_blocks)
+    native = None
+    if target.skeleton:
+        attach_forward(target, "native", "gguf")
+        native = target.native
     target.model.requires_grad_(False)
     sequences = []
-    for s in iter_sequences(args.data):
-        sequences.append(s)
+    for directory, remap in zip(args.data, remaps):
+        for s in iter_sequences(directory):
+            s.job = (remap[s.job[0]], s.job[1])
+            sequences.append(s)
+            if args.max_sequences and len(sequences) >= args.max_sequences:
+                break
         if args.max_sequences and len(sequences) >= args.max_sequences:
             break
     train, validation = split_by_prompt(sequences, args.val_fraction, seed=args.seed)
@@ -189,13 +241,14 @@ def main(argv=None) -> int:
                 len({s.job[0] for s in validation}), len({s.job[0] for s in sequences}), time.time() - t0)
     eos = sorted(target.eos_token_ids())
     if args.vocab_study:
-        attach_forward(target, "auto", "auto")
-        study = _vocab_study(target, target.native, train, validation, eos, manifest["identity"]["prompts"])
+        if native is None:
+            attach_forward(target, "auto", "auto")
+        study = _vocab_study(target, target.native, train, validation, eos, keys)
         Path(args.log).parent.mkdir(parents=True, exist_ok=True)
         Path(args.log).write_text(json.dumps({"vocab_study": study}, indent=1))
         print(json.dumps(study, indent=1))
         return 0
-    start = load_eagle_head(args.init_from, target.model, dtype=torch.float32) if args.init_from else None
+    start = load_eagle_head(args.init_from, target.model, dtype=torch.float32, native=native) if args.init_from else None
     if args.draft_vocab == "init":
         vocab = start.draft_vocab.clone()
     else:
@@ -206,7 +259,14 @@ def main(argv=None) -> int:
         print(f"train_draft.py: error: --data was generated for feature layers {manifest['identity']['feature_layers']},"
               f" the head reads {list(layers)}", file=sys.stderr)
         return 2
-    head = EagleHead(target.model.config, layers, vocab).attach(target.model)
+    width = args.intermediate_size
+    if width is None and start is not None:
+        width = int(start.config.intermediate_size)
+    try:
+        head = EagleHead(target.model.config, layers, vocab, intermediate_size=width).attach(target.model, native)
+    except ValueError as exc:
+        print(f"train_draft.py: error: --intermediate-size: {exc}", file=sys.stderr)
+        return 2
     if start is not None:
         if tuple(start.feature_layers) != tuple(layers):
             print(f"train_draft.py: error: --init-from {args.init_from} reads feature layers {start.feature_layers}",
@@ -216,12 +276,16 @@ def main(argv=None) -> int:
         missing = head.load_state_dict(weights, strict=False)
         assert missing.missing_keys == ["draft_vocab"] and not missing.unexpected_keys, missing
         logger.info("initialised from %s", args.init_from)
-    full_weight = target.model.get_output_embeddings().weight.detach()
-    compare_path = Path(args.compare) if args.compare else eagle_default_path()
+    if native is not None:
+        full_weight = native.lm_head.dequantize().float()  # [V, h]: the teacher's full-vocabulary normaliser
+    else:
+        full_weight = target.model.get_output_embeddings().weight.detach()
+    packaged = _packaged_path(eagle_default_path, args.target)
+    compare_path = Path(args.compare) if args.compare else packaged
     compare = None
     teachers = [full_teacher(s.final, full_weight) for s in validation]  # once: the comparison and training
-    if args.compare != "none" and compare_path.is_file():
-        old = load_eagle_head(compare_path, target.model, dtype=torch.float32)
+    if args.compare != "none" and compare_path is not None and compare_path.is_file():
+        old = load_eagle_head(compare_path, target.model, dtype=torch.float32, native=native)
         compare = {"file": str(compare_path), "draft_vocab": int(old.draft_vocab.numel()),
                    "draft_vocab_coverage_validation": coverage(val_answers, old.draft_vocab),
                    "validation": evaluate_head(old, validation, config.steps, teachers, config.step_weights)}
@@ -229,7 +293,10 @@ def main(argv=None) -> int:
         del old
     log = train_head(head, train, validation, full_weight, config, checkpoint=args.checkpoint, teachers=teachers)
     head.to(torch.bfloat16)
-    out = Path(args.out) if args.out else eagle_default_path()
+    if not args.out and packaged is None:
+        print(f"train_draft.py: error: --out is needed: no head is shipped for {args.target!r}", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else packaged
     if compare is not None:
         from specadapt.draft_train.train import step_score
 
@@ -242,9 +309,10 @@ def main(argv=None) -> int:
                            "packaged head is kept, the new one written to %s", new_score, old_score, out)
     info = {
         "target": args.target, "machine": cpu_name(), "threads": torch.get_num_threads(),
-        "data": {"directory": str(args.data), "generation": manifest["config"], "sequences": len(sequences),
+        "data": {"directory": [str(d) for d in args.data], "generation": [m["config"] for m in manifests],
+                 "sequences": len(sequences),
                  "generated_tokens": generated, "train_sequences": len(train), "validation_sequences": len(validation),
-                 "validation_prompts": sorted({s.job[0] for s in validation})},
+                 "validation_prompts": sorted(keys[j] for j in {s.job[0] for s in validation})},
         "draft_vocab": int(vocab.numel()), "init_from": args.init_from, "draft_vocab_coverage_validation": coverage(val_answers, vocab),
         "loss": f"{'forward KL' if config.divergence == 'fkl' else 'total variation'} on the draft vocabulary, "
                 f"{config.steps} unrolled steps, weights {config.step_weights}",

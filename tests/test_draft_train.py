@@ -470,7 +470,7 @@ def test_the_packaged_head_is_replaced_only_by_a_better_one(tiny_model_dir, tmp_
     assert train.main(common + ["--compare", "none", "--out", str(good), "--checkpoint", str(tmp_path / "a.pt"),
                                 "--log", str(tmp_path / "a.json")]) == 0
     packaged = tmp_path / "package" / "head.safetensors"
-    monkeypatch.setattr(eagle_module, "eagle_default_path", lambda: packaged)
+    monkeypatch.setattr(eagle_module, "eagle_default_path", lambda *target: packaged)
     monkeypatch.setattr(train, "ROOT", tmp_path)
     assert train.main(common + ["--lr", "1e-9", "--compare", str(good), "--checkpoint", str(tmp_path / "b.pt"),
                                 "--log", str(tmp_path / "b.json")]) == 0

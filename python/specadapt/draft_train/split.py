@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ..datasets import load_prompts
 
-__all__ = ["EVAL_LIVECODEBENCH", "EVAL_MATH500", "TrainPrompt", "training_prompts", "evaluation_prompt_ids"]
+__all__ = ["EVAL_LIVECODEBENCH", "EVAL_MATH500", "PROMPT_SETS", "TrainPrompt", "training_prompts", "evaluation_prompt_ids"]
 
 #: LiveCodeBench problems ``[0, 32)`` are evaluation only.
 EVAL_LIVECODEBENCH = 32
@@ -27,11 +27,26 @@ class TrainPrompt:
     text: str
 
 
-def training_prompts() -> list[TrainPrompt]:
-    """The training prompts, MATH-500 ``[100, 500)`` then LiveCodeBench ``[32, end)``, in file order."""
-    out = [TrainPrompt(f"math500:{i}", p.text) for i, p in enumerate(load_prompts("math500")) if i >= EVAL_MATH500]
-    out += [TrainPrompt(f"livecodebench:{i}", p.text) for i, p in enumerate(load_prompts("livecodebench"))
-            if i >= EVAL_LIVECODEBENCH]
+#: The prompt sets :func:`training_prompts` can draw from (``--prompts`` of scripts/gen_draft_data.py).
+PROMPT_SETS = {"all": ("math500", "livecodebench"), "math": ("math500",), "code": ("livecodebench",)}
+
+
+def training_prompts(prompt_set: str = "all") -> list[TrainPrompt]:
+    """The training prompts of ``prompt_set`` (a key of :data:`PROMPT_SETS`): MATH-500 ``[100, 500)`` and/or
+    LiveCodeBench ``[32, end)``, in that order and in file order.
+
+    Raises:
+        ValueError: an unknown ``prompt_set`` (the message lists the known ones).
+    """
+    if prompt_set not in PROMPT_SETS:
+        raise ValueError(f"prompt_set must be one of {sorted(PROMPT_SETS)}, got {prompt_set!r}")
+    sets = PROMPT_SETS[prompt_set]
+    out = []
+    if "math500" in sets:
+        out += [TrainPrompt(f"math500:{i}", p.text) for i, p in enumerate(load_prompts("math500")) if i >= EVAL_MATH500]
+    if "livecodebench" in sets:
+        out += [TrainPrompt(f"livecodebench:{i}", p.text) for i, p in enumerate(load_prompts("livecodebench"))
+                if i >= EVAL_LIVECODEBENCH]
     return out
 
 

@@ -33,20 +33,31 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "EagleHead",
+    "head_layer_config",
     "default_feature_layers",
     "load_eagle_head",
     "save_eagle_head",
     "EAGLE_DEFAULT_FILE",
+    "EAGLE_HEADS",
     "eagle_default_path",
 ]
 
 EAGLE_DEFAULT_FILE = "eagle_smollm2_135m.safetensors"
+#: The heads shipped in the package, by target preset (``--draft eagle``); each has a ``.train_log.json`` beside it.
+EAGLE_HEADS = {"smollm2-135m": EAGLE_DEFAULT_FILE, "qwen2.5-coder-1.5b": "eagle_qwen2.5_coder_1.5b.safetensors"}
 
 
-def eagle_default_path() -> Path:
-    """Path of the head shipped in the package for the embedded default target (may not exist in a checkout
-    that has not trained it)."""
-    return Path(__file__).resolve().parent.parent / "data" / EAGLE_DEFAULT_FILE
+def eagle_default_path(target: str = "smollm2-135m") -> Path:
+    """Path of the head shipped in the package for the preset ``target`` (may not exist in a checkout that has not
+    trained it).
+
+    Raises:
+        ValueError: a target with no shipped head (the message names those that have one).
+    """
+    if target not in EAGLE_HEADS:
+        raise ValueError(f"no EAGLE head is shipped for {target!r}; shipped heads: {', '.join(sorted(EAGLE_HEADS))} "
+                         "(or pass --draft eagle:PATH with a head trained by scripts/train_draft.py)")
+    return Path(__file__).resolve().parent.parent / "data" / EAGLE_HEADS[target]
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
@@ -57,6 +68,66 @@ def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
     return (3, num_layers // 2 + 1, num_layers - 2)
 
 
+def head_layer_config(target_config, intermediate_size: int | None = None):
+    """The transformers ``LlamaConfig`` of the head's one decoder layer: the target's attention shape, norm epsilon
+    and RoPE, one layer, no biases (a Qwen2 target's q/k/v biases are not copied: the head layer is new), SDPA
+    attention, and the MLP width ``intermediate_size`` (default: the target's)."""
+    from transformers import LlamaConfig
+
+    if getattr(target_config, "model_type", None) == "llama":
+        config = copy.deepcopy(target_config)
+    else:  # another Llama-family decoder (Qwen2): the same layer without biases
+        hidden = int(target_config.hidden_size)
+        heads = int(target_config.num_attention_heads)
+        fields = dict(hidden_size=hidden, intermediate_size=int(target_config.intermediate_size),
+                      num_attention_heads=heads,
+                      num_key_value_heads=int(getattr(target_config, "num_key_value_heads", None) or heads),
+                      head_dim=int(getattr(target_config, "head_dim", None) or hidden // heads),
+                      rms_norm_eps=float(target_config.rms_norm_eps), hidden_act=target_config.hidden_act,
+                      max_position_embeddings=int(target_config.max_position_embeddings),
+                      vocab_size=int(target_config.vocab_size), attention_bias=False, mlp_bias=False,
+                      tie_word_embeddings=False)
+        rope = getattr(target_config, "rope_parameters", None)
+        if rope is not None:
+            fields["rope_parameters"] = dict(rope)
+        config = LlamaConfig(**fields)
+    config.num_hidden_layers = 1
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = list(config.layer_types)[:1]
+    if intermediate_size is not None:
+        config.intermediate_size = int(intermediate_size)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+class _NativeEmbedding(nn.Module):
+    """The frozen token embedding of a target that runs on the native forward only (a GGUF skeleton): rows
+    de-quantised from the native model's own blocks on each call (``[*] int64 -> [*, h] float32``)."""
+
+    def __init__(self, native) -> None:
+        super().__init__()
+        self.__dict__["native"] = native  # not a submodule: never trained, never saved
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).to(torch.int64)
+        return self.native.embed_tokens(flat).reshape(*ids.shape, -1)
+
+
+class _FrozenRMSNorm(nn.Module):
+    """The target's final RMSNorm from a weight vector (``[*, h] -> [*, h]``, computed in float32)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.__dict__["weight"] = weight.detach().float()
+        self.eps = float(eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.to(x.device) * x).to(dtype)
+
+
 class EagleHead(nn.Module):
     """The trainable part of an EAGLE-style draft (see the module docstring).
 
@@ -64,12 +135,15 @@ class EagleHead(nn.Module):
         target_config: the target's transformers ``LlamaConfig`` (hidden size, heads, RoPE).
         feature_layers: three indices into the target's ``hidden_states``.
         draft_vocab: ``[Vd] int64`` target token ids the head can propose (sorted, unique); ``None`` = all.
+        intermediate_size: the head layer's MLP width (default: the target's); a narrower layer keeps the head's
+            file and its draft step small on a large target (the Qwen2.5-Coder-1.5B head: 2,816 against 8,960).
 
     Raises:
-        ValueError: ``feature_layers`` not three valid indices, or a bad ``draft_vocab``.
+        ValueError: ``feature_layers`` not three valid indices, a bad ``draft_vocab`` or ``intermediate_size``.
     """
 
-    def __init__(self, target_config, feature_layers: tuple[int, int, int], draft_vocab: torch.Tensor | None = None):
+    def __init__(self, target_config, feature_layers: tuple[int, int, int], draft_vocab: torch.Tensor | None = None,
+                 intermediate_size: int | None = None):
         super().__init__()
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
@@ -87,11 +161,9 @@ class EagleHead(nn.Module):
             raise ValueError(f"draft_vocab ids must lie in [0, {vocab})")
         if bool((draft_vocab[1:] <= draft_vocab[:-1]).any()):
             raise ValueError("draft_vocab must be sorted and unique")
-        config = copy.deepcopy(target_config)
-        config.num_hidden_layers = 1
-        if getattr(config, "layer_types", None) is not None:
-            config.layer_types = list(config.layer_types)[:1]
-        config._attn_implementation = "sdpa"
+        if intermediate_size is not None and int(intermediate_size) < 1:
+            raise ValueError(f"intermediate_size must be >= 1, got {intermediate_size}")
+        config = head_layer_config(target_config, intermediate_size)
         self.config = config
         self.feature_layers = tuple(int(i) for i in feature_layers)
         self.fuse = nn.Linear(3 * hidden, hidden, bias=False)
@@ -105,13 +177,21 @@ class EagleHead(nn.Module):
     def hidden_size(self) -> int:
         return self.fuse.out_features
 
-    def attach(self, target_model: nn.Module) -> "EagleHead":
+    def attach(self, target_model: nn.Module, native=None) -> "EagleHead":
         """Share the target's embedding, final norm and LM head (restricted to ``draft_vocab``) by reference.
 
+        A target loaded without weights (a GGUF skeleton on the ``meta`` device) shares them from ``native``, its
+        :class:`~specadapt.engine.native.NativeLlama` (:meth:`attach_native`).
+
         Raises:
-            ValueError: a target without ``model.embed_tokens`` / ``model.norm`` / an output embedding, or
-                with another hidden size.
+            ValueError: a target without ``model.embed_tokens`` / ``model.norm`` / an output embedding, with
+                another hidden size, or a skeleton without ``native``.
         """
+        if _on_meta(target_model):
+            if native is None:
+                raise ValueError("a target loaded without weights (a GGUF skeleton) shares its embedding and LM "
+                                 "head from its native forward: pass native=")
+            return self.attach_native(native, float(target_model.config.rms_norm_eps))
         decoder = getattr(target_model, "model", None)
         embed = getattr(decoder, "embed_tokens", None)
         norm = getattr(decoder, "norm", None)
@@ -123,6 +203,20 @@ class EagleHead(nn.Module):
         with torch.no_grad():
             head_weight = head.weight.detach().index_select(0, self.draft_vocab.to(head.weight.device))
         self.__dict__["_shared"] = (embed, norm, head_weight)
+        return self
+
+    def attach_native(self, native, eps: float) -> "EagleHead":
+        """Share a native-only target's embedding, final norm and LM head (a GGUF skeleton whose transformers
+        modules hold no weights): the embedding is read from the native model's blocks on each call, the final
+        norm's weight and the draft vocabulary's LM-head rows are de-quantised once (``[Vd, h]`` float32).
+
+        Raises:
+            ValueError: a native model of another hidden size.
+        """
+        if int(native.hidden_size) != self.hidden_size:
+            raise ValueError(f"target hidden size {native.hidden_size} != head hidden size {self.hidden_size}")
+        rows = native.lm_head.select_rows(self.draft_vocab.to(torch.int64)).dequantize().float()
+        self.__dict__["_shared"] = (_NativeEmbedding(native), _FrozenRMSNorm(native.final_norm, eps), rows)
         return self
 
     @property
@@ -198,25 +292,33 @@ class EagleHead(nn.Module):
         return SimpleNamespace(logits=logits, hidden=g)
 
 
+def _on_meta(model: nn.Module) -> bool:
+    param = next(model.parameters(), None)
+    return param is not None and param.device.type == "meta"
+
+
 def save_eagle_head(head: EagleHead, path: str | Path, metadata: dict | None = None) -> None:
     """Write the head's own weights (and its ``draft_vocab``) to a safetensors file; the shared target
     modules are not saved. ``metadata`` (JSON-serialisable) is stored with ``feature_layers``."""
     from safetensors.torch import save_file
 
-    meta = {"feature_layers": json.dumps(list(head.feature_layers)), "format": "specadapt-eagle-v1"}
+    meta = {"feature_layers": json.dumps(list(head.feature_layers)), "format": "specadapt-eagle-v1",
+            "intermediate_size": json.dumps(int(head.config.intermediate_size))}
     for key, value in (metadata or {}).items():
         meta[key] = json.dumps(value)
     tensors = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
     save_file(tensors, str(path), metadata=meta)
 
 
-def load_eagle_head(path: str | Path, target_model: nn.Module, dtype: torch.dtype | None = None) -> EagleHead:
+def load_eagle_head(path: str | Path, target_model: nn.Module, dtype: torch.dtype | None = None,
+                    native=None) -> EagleHead:
     """Load a head saved by :func:`save_eagle_head` and attach it to ``target_model``.
 
     Args:
         path: the safetensors file.
         target_model: the target transformers model (its config must match the one the head was trained on).
-        dtype: parameter dtype (default: the target's).
+        dtype: parameter dtype (default: the target's; float32 for a skeleton target).
+        native: the target's native model; needed for a skeleton target (:meth:`EagleHead.attach`).
 
     Returns:
         The head in eval mode, on the target's device.
@@ -236,12 +338,21 @@ def load_eagle_head(path: str | Path, target_model: nn.Module, dtype: torch.dtyp
     if meta.get("format") != "specadapt-eagle-v1" or "draft_vocab" not in tensors:
         raise ValueError(f"{path} is not a specadapt EAGLE head (format {meta.get('format')!r})")
     layers = tuple(json.loads(meta["feature_layers"]))
-    head = EagleHead(target_model.config, layers, tensors["draft_vocab"])
+    width = json.loads(meta["intermediate_size"]) if "intermediate_size" in meta else None
+    head = EagleHead(target_model.config, layers, tensors["draft_vocab"], intermediate_size=width)
     try:
         head.load_state_dict(tensors, strict=True)
     except RuntimeError as exc:
         raise ValueError(f"{path} does not fit the target {type(target_model).__name__}: {exc}") from exc
     param = next(target_model.parameters())
+    if param.device.type == "meta":  # a GGUF skeleton: the head lives on the native model's device, float32
+        if native is None:
+            raise ValueError("a target loaded without weights (a GGUF skeleton) needs its native forward to load "
+                             "an EAGLE head: pass native=")
+        head.to(device=native.device, dtype=dtype or torch.float32)
+        head.draft_vocab = head.draft_vocab.to(torch.int64)
+        head.attach(target_model, native)
+        return head.eval()
     head.to(device=param.device, dtype=dtype or param.dtype)
     head.draft_vocab = head.draft_vocab.to(torch.int64)
     head.attach(target_model)

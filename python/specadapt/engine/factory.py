@@ -102,18 +102,12 @@ def _eagle(path, target: LoadedModel, sampling: SamplingParams, draft_seed: int,
            native_format: str | None = None) -> Draft:
     from .eagle import eagle_default_path, load_eagle_head
     from .eagle_draft import EagleDraft
-    from .models import EMBEDDED_DEFAULT
 
     if path is None:
-        if target.name != EMBEDDED_DEFAULT:
-            raise ValueError(
-                f"--draft eagle: the shipped head was trained for {EMBEDDED_DEFAULT}, not {target.name!r}; "
-                "pass --draft eagle:PATH with a head trained for this target (scripts/train_draft.py)"
-            )
-        path = eagle_default_path()
+        path = eagle_default_path(target.name)  # ValueError naming the targets that have a head
         if not path.is_file():
             raise FileNotFoundError(f"--draft eagle: the packaged head {path} is missing (reinstall specadapt)")
-    head = load_eagle_head(path, target.model)
+    head = load_eagle_head(path, target.model, native=target.native if target.skeleton else None)
     native = None
     if target.native is not None:
         from .native.eagle import NativeEagleHead
