@@ -387,14 +387,17 @@ def specadapt_executable() -> list[str]:
 
 def specadapt_command(target: str, draft: str, dataset: str, prompt_field: str | None, limit: int, max_new: int,
                       json_out: str, num_draft: int | None = None, ignore_eos: bool = False,
-                      extra=(), temperature: float = 0.0, baseline: bool = True) -> list[str]:
+                      extra=(), temperature: float = 0.0, baseline: bool = True, threads: int | None = None) -> list[str]:
     """``specadapt generate`` at ``temperature`` (greedy by default), batch 1, with (``baseline``) its paired target-only baseline; ``extra`` comes last (so it
-    overrides). ``num_draft`` sets ``--num-draft-tokens`` (given for model drafts, to match llama.cpp's)."""
+    overrides). ``num_draft`` sets ``--num-draft-tokens`` (given for model drafts, to match llama.cpp's); ``threads``
+    its ``--threads`` (llama.cpp's ``-t``)."""
     cmd = specadapt_executable() + ["generate", "--model", target, "--draft", draft, "--dataset", dataset]
     if prompt_field:
         cmd += ["--prompt-field", prompt_field]
     cmd += ["--limit", str(limit), "--max-new-tokens", str(max_new), "--temperature", format(temperature, "g"),
             "--batch-size", "1", "--json", json_out, "--no-progress"] + (["--baseline"] if baseline else [])
+    if threads is not None:
+        cmd += ["--threads", str(threads)]
     if temperature > 0:
         cmd += ["--top-p", "1", "--top-k", "0", "--min-p", "0"]  # the plain softmax at T, as llama.cpp's jobs
     if num_draft is not None:
@@ -450,7 +453,7 @@ def plan_jobs(args, binaries: dict, prompt_files: list[tuple[str, str]], ngram_t
             jobs.append(Job("specadapt", label, specadapt_command(
                 args.target, draft, dataset, prompt_field, args.limit, args.max_new_tokens, out,
                 num_draft=args.num_draft if is_model else None, ignore_eos=args.ignore_eos, extra=sa_extra,
-                temperature=args.temperature),
+                temperature=args.temperature, threads=args.threads),
                 env=threads_env, json_out=out))
     return jobs
 
@@ -824,7 +827,8 @@ def run_lockstep(args, llama, prompts, prompt_files, ctx: int, run_dir: Path) ->
             out = str(run_dir / f"lockstep_{n:03d}.json")
             job = Job("specadapt", "specadapt target-only", specadapt_command(
                 args.target, "none", data, "prompt", 1, args.max_new_tokens, out, ignore_eos=args.ignore_eos,
-                extra=sa_extra, temperature=args.temperature, baseline=False), env=threads_env, json_out=out)
+                extra=sa_extra, temperature=args.temperature, baseline=False, threads=args.threads), env=threads_env,
+                json_out=out)
         logger.info("[%d/%d] round %d prompt %s: %s", n, len(order), r + 1, pid, engine)
         rc, output, seconds = run_job(job, run_dir / f"lockstep_{n:03d}-{job.part}.log", args.timeout)
         rate = None

@@ -59,6 +59,7 @@ _run = run_generate
         (["--draft", "none", "--tts"], "--tts"),
         (["--draft", "none", "--num-draft-tokens", "3"], "--num-draft-tokens"),
         (["--draft", "none", "--verify", "gbv"], "--verify gbv"),
+        (["--threads", "0"], "--threads"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(capsys, argv, flag):
@@ -215,6 +216,24 @@ def test_generate_with_tts(capsys, tiny_model_dir, tmp_path, params):
 def test_eagle_needs_a_head_for_other_targets(capsys, tiny_model_dir):
     code, _, err = _run(capsys, "--model", str(tiny_model_dir), "--draft", "eagle", "--limit", "1")
     assert code == 2 and "--draft eagle" in err and "eagle:PATH" in err
+    assert "qwen2.5-coder-1.5b" in err and "smollm2-135m" in err  # the targets that have a shipped head
+
+
+def test_threads_flag_sets_torch_and_is_recorded(capsys, tiny_model_dir, tmp_path):
+    import torch
+
+    before = torch.get_num_threads()
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"q": "what is the sum of two and three"}) + "\n")
+    out = tmp_path / "run.json"
+    try:
+        code, _, _ = _run(capsys, "--model", str(tiny_model_dir), "--dataset", str(data), "--prompt-field", "q",
+                          "--max-new-tokens", "4", "--threads", "1", "--json", str(out))
+        assert code == 0 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    config = json.loads(out.read_text())["config"]
+    assert config["threads"] == 1 and config["torch_threads"] == 1
 
 
 def test_tiny_temperature_is_greedy_and_bad_ones_are_one_line(capsys, tiny_model_dir, tmp_path):

@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .common import UsageError
+from .common import UsageError, add_threads_argument, apply_threads
 
 _FORMATS = ("float32", "bfloat16", "int8", "int4", "gguf")
 _FORWARDS = ("hf", "native", "native-compiled")
@@ -51,10 +51,12 @@ def add_parser(sub) -> None:
     p.add_argument("--no-draft", action="store_true", help="skip the EAGLE draft step")
     p.add_argument("--quick", action="store_true", help="batch 1, q 1 and 6, ctx 512, native and hf (about a minute)")
     p.add_argument("--json", default=None, metavar="PATH")
+    add_threads_argument(p)
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
+    apply_threads(args)
     from ..bench.forward import run_forward_benchmark
 
     formats = _names(args.formats, _FORMATS, "--formats")

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from ..verification.rules import RULES, join_names
-from .common import UsageError
+from .common import UsageError, add_threads_argument, apply_threads
 
 
 def add_parser(sub) -> None:
@@ -36,11 +36,13 @@ def add_parser(sub) -> None:
     p.add_argument("--impl", choices=["compiled", "cupy"], default="compiled",
                    help="time specadapt._C, or the CuPy (NVRTC) JIT of the same CUDA kernels (cuda only)")
     p.add_argument("--json", default=None, metavar="PATH")
+    add_threads_argument(p)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
+    apply_threads(args)
     import torch
 
     from ..bench.kernels import FULL_SWEEP, QUICK_CASES, run_benchmark

@@ -11,7 +11,7 @@ from ..budget.config import AVConfig
 from ..settings import add_arguments, flag_message, from_namespace
 from ..tts.config import TTSConfig
 from ..verification.rules import DEFAULT_RULE, RULES, get_rule, join_names, rule_names
-from .common import UsageError
+from .common import UsageError, add_threads_argument, apply_threads
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ def add_engine_arguments(p) -> None:
     Speculation, weight format, device) to the argparse parser ``p``."""
     d = ENGINE_DEFAULTS
     p.add_argument("--model", default=d["model"], help="target: smollm2-135m, a HF model directory or a .gguf file")
+    add_threads_argument(p)
     p.add_argument(
         "--draft", default=d["draft"], help="ngram (prompt lookup), suffix (continuation frequencies over this request "
         "and earlier outputs, sized by the match; docs/suffix.md), eagle (the trained head shipped for smollm2-135m), eagle:PATH "
@@ -125,6 +126,7 @@ def validate_engine_args(args) -> None:
     Raises:
         UsageError: a value out of range or an incompatible combination, naming the flag.
     """
+    apply_threads(args)
     if args.draft == "none":  # target-only decoding: no drafts, nothing to adapt or prune
         for flag, on in (("--tts", args.tts), ("--adaptive-verification", args.adaptive_verification),
                          ("--log-drafts", args.log_drafts),

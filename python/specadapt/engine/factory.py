@@ -104,7 +104,10 @@ def _eagle(path, target: LoadedModel, sampling: SamplingParams, draft_seed: int,
     from .eagle_draft import EagleDraft
 
     if path is None:
-        path = eagle_default_path(target.name)  # ValueError naming the targets that have a head
+        try:
+            path = eagle_default_path(target.name)
+        except ValueError as exc:  # names the targets that have a head
+            raise ValueError(f"--draft eagle: {exc}") from None
         if not path.is_file():
             raise FileNotFoundError(f"--draft eagle: the packaged head {path} is missing (reinstall specadapt)")
     head = load_eagle_head(path, target.model, native=target.native if target.skeleton else None)
