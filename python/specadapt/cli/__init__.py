@@ -6,6 +6,7 @@ Commands:
     bench-kernels   microbenchmark of the fused verification kernels against the reference.
     bench-forward   target / draft forwards (hf, native, compiled; every weight format) against the roofline.
     eval-estimator  calibration (AUC, log-loss, ECE) of the acceptance estimator from a --log-drafts file.
+    demo            every technique side by side on the same prompts: one table and one plot.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ __all__ = ["main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import bench_forward, bench_kernels, eval_estimator, generate, serve
+    from . import bench_forward, bench_kernels, demo, eval_estimator, generate, serve
 
     parser = OneLineErrorParser(prog="specadapt", description=__doc__.split("\n")[0])
     parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_kernels.add_parser(sub)
     bench_forward.add_parser(sub)
     eval_estimator.add_parser(sub)
+    demo.add_parser(sub)
     return parser
 
 
