@@ -50,6 +50,23 @@ def cpu_name() -> str:
     return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
+def cpu_isa() -> str:
+    """The widest vector instruction set of this CPU that specadapt's kernels use: ``AMX``, ``AVX-512 VNNI``,
+    ``AVX-512``, ``AVX2`` or ``baseline`` (figures are compared only between machines of one ISA)."""
+    flags = cpu_flags()
+    for flag, name in (("amx_bf16", "AMX"), ("avx512_vnni", "AVX-512 VNNI"), ("avx512f", "AVX-512"), ("avx2", "AVX2")):
+        if flag in flags:
+            return name
+    return "baseline"
+
+
+def machine_label() -> str:
+    """``"<CPU model> (<ISA>), <N> cores"``: what a figure ran on, printed beside it."""
+    import os
+
+    return f"{cpu_name()} ({cpu_isa()}), {os.cpu_count()} cores"
+
+
 def cpu_flags() -> set[str]:
     """The CPU's feature flags (``/proc/cpuinfo``'s ``flags``, e.g. ``avx2``, ``avx512_vnni``, ``amx_bf16``);
     empty where that file is missing."""

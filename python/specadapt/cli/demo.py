@@ -211,9 +211,9 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def machine_name() -> str:
-    from ..bench.forward import cpu_name
+    from ..bench.forward import machine_label
 
-    return f"{cpu_name()}, {os.cpu_count()} cores"
+    return machine_label()
 
 
 def run(args) -> int:

@@ -200,6 +200,9 @@ def _run_config(args, built) -> dict:
                       av_probe_rounds=adaptive.probe_rounds, av_cost_model=adaptive.cost_model_error())
     if built.tts is not None:
         config.update(tts_stats=built.tts.summary())
+    from ..bench.forward import machine_label
+
+    config.update(machine=machine_label(), date=time.strftime("%Y-%m-%d"))
     config.update(torch_version=torch.__version__, torch_threads=torch.get_num_threads(),
                   forward_used=target.forward_name, weight_format=target.weight_format,
                   kv_dtype_used=str(getattr(target.native, "kv_dtype", "n/a")).replace("torch.", ""))

@@ -120,7 +120,8 @@ def build_report(config, prompts, tokenizer, results, seconds, base_results, bas
         "share_past_first_eos": (sum(r["tokens_past_first_eos"] for r in requests) / out_tokens
                                  if eos_ids is not None and out_tokens else None),
     }
-    config = dict(config, machine=f"{platform.machine()} {platform.processor() or ''}".strip())
+    if "machine" not in config:  # generate records the CPU model and ISA (bench.forward.machine_label)
+        config = dict(config, machine=f"{platform.machine()} {platform.processor() or ''}".strip())
     return {"config": config, "requests": requests, "summary": summary}
 
 
