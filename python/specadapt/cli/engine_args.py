@@ -271,7 +271,7 @@ def suffix_config(args):
 
 def load_target_and_draft(model: str, draft: str, sampling, seed: int, dtype: str, device: str,
                           error: type[Exception] = UsageError, forward: str = "auto", kv_dtype: str = "auto",
-                          suffix=None):
+                          suffix=None, trainable_draft: bool = False):
     """Load the target, attach its forward and build the draft as ``specadapt generate`` does.
 
     Args:
@@ -279,6 +279,8 @@ def load_target_and_draft(model: str, draft: str, sampling, seed: int, dtype: st
             ``--dtype`` weight format; device: ``cpu`` / ``cuda``; forward: ``--forward``; kv_dtype: ``--kv-dtype``.
         error: exception class raised for a bad model, draft or format (its message names the flag).
         suffix: the ``SuffixConfig`` of ``--draft suffix`` (:func:`suffix_config`; ``None``: defaults).
+        trainable_draft: ``--tts`` will train the draft: a ``self:N`` draft needs the target's float32 weights (the
+            target is then not loaded as a skeleton over its GGUF blocks) and a standalone draft loads its own.
 
     Returns:
         ``(LoadedModel, Draft)``; ``target.forward_name`` / ``target.weight_format`` say what runs.
@@ -290,8 +292,9 @@ def load_target_and_draft(model: str, draft: str, sampling, seed: int, dtype: st
 
     hf_dtype = parse_dtype(dtype) if dtype in ("float32", "bfloat16") and forward == "hf" else parse_dtype("float32")
     try:
+        self_draft = trainable_draft and draft.startswith("self:")
         target = load_model(model, dtype=hf_dtype, device=device,
-                            file_blocks=device == "cpu" and file_blocks_for(model, forward, dtype))
+                            file_blocks=device == "cpu" and not self_draft and file_blocks_for(model, forward, dtype))
     except ModelLoadError as exc:
         raise error(f"--model: {exc}") from None
     try:
@@ -304,7 +307,8 @@ def load_target_and_draft(model: str, draft: str, sampling, seed: int, dtype: st
     logger.info("target %s: %s forward, %s weights", model, target.forward_name, target.weight_format)
     torch_dtype = next(target.model.parameters()).dtype
     try:
-        built = build_draft(draft, target, sampling, seed, dtype=torch_dtype, device=device, suffix=suffix)
+        built = build_draft(draft, target, sampling, seed, dtype=torch_dtype, device=device, suffix=suffix,
+                            trainable=trainable_draft)
     except (ModelLoadError, VocabularyMismatchError, ValueError, FileNotFoundError) as exc:
         message = str(exc)
         raise error(message if message.startswith("--draft") else f"--draft: {message}") from None
@@ -443,7 +447,8 @@ def build_engine(args, max_batch_size: int, ignore_eos: bool = False, error: typ
     sampling = sampling_params(args)
     target, draft = load_target_and_draft(args.model, args.draft, sampling, args.seed, args.dtype, args.device,
                                           error=error, forward=args.forward, kv_dtype=args.kv_dtype,
-                                          suffix=suffix_config(args) if args.draft == "suffix" else None)
+                                          suffix=suffix_config(args) if args.draft == "suffix" else None,
+                                          trainable_draft=bool(args.tts))
     if sampling.logit_bias and sampling.logit_bias[-1][0] >= target.vocab_size:
         raise error(f"--logit-bias: token id {sampling.logit_bias[-1][0]} is outside the model's vocabulary "
                     f"({target.vocab_size} tokens)")

@@ -49,10 +49,13 @@ def build_draft(
     device: str | torch.device = "cpu",
     native_format: str | None = None,
     suffix=None,
+    trainable: bool = False,
 ) -> Draft:
     """Construct the draft named by ``spec`` for ``target``. When the target runs on the native forward, a model
     draft does too, in ``native_format`` (default: the target's weight format). ``suffix``: the
     :class:`~specadapt.engine.suffix.SuffixConfig` of ``--draft suffix`` (default settings when ``None``).
+    ``trainable``: Test-Time Speculation will train the draft, so a standalone model draft loads its float32
+    weights (not a skeleton over its GGUF file's blocks).
 
     Raises:
         ValueError: bad ``self:N``, an EAGLE head that does not fit the target, or ``eagle`` for a target
@@ -74,6 +77,9 @@ def build_draft(
     if kind == "eagle":
         return _eagle(value, target, sampling, draft_seed, spec, native_format)
     if kind == "self":
+        if trainable and target.skeleton:
+            raise ValueError(f"--draft {spec} with --tts trains the target's first layers, but {target.name} was loaded "
+                             "without float32 weights (its own GGUF blocks); load it with --dtype int8 / float32")
         module = self_draft(target, int(value))
         draft_native = None
         if native is not None:
@@ -84,7 +90,8 @@ def build_draft(
                                                kv_dtype=_kv_name(native))
         return ModelDraft(module, sampling, draft_seed, name=spec, native=draft_native)
     draft_format = native_format or (native.dtype_name if native is not None else None)
-    file_blocks = native is not None and draft_format in ("auto", "gguf") and file_blocks_for(str(value), "auto", "auto")
+    file_blocks = (native is not None and not trainable and draft_format in ("auto", "gguf")
+                   and file_blocks_for(str(value), "auto", "auto"))
     draft = load_model(str(value), dtype=dtype, device=device, file_blocks=file_blocks)
     check_same_vocabulary(target, draft)
     if native is not None:
