@@ -43,6 +43,11 @@ ROWS: list[dict] = [
          kind="generate", file=f"{JSON_DIR}/code_session_ngram_T0_2026-12-07.json",
          machine="AMD EPYC Zen 4 (AVX-512 VNNI), 2 cores", date="2026-12-07",
          command=SESSION_CMD.format(draft="ngram")),
+    *[dict(technique=label, workload="AIME 2024 x 2, 256 tokens, SmolLM2-135M, T = 0", kind="demo",
+           file=f"{JSON_DIR}/demo_smollm2_T0_2026-12-07.json", setting=setting)
+      for setting, label in (("ngram", "prompt lookup (`ngram`)"), ("suffix", "suffix decoding (`suffix`)"),
+                             ("eagle", "EAGLE head (`eagle`)"), ("eagle+tts", "EAGLE + Test-Time Speculation"),
+                             ("eagle+av", "EAGLE + adaptive verification"), ("eagle+gbv", "EAGLE + GBV"))],
     dict(technique="specadapt + the 0.5B draft", workload="LiveCodeBench x 3, Qwen2.5-Coder-1.5B, T = 1",
          kind="llamacpp", file=f"{JSON_DIR}/bench_llamacpp_T1_2026-12-07.json",
          setting="specadapt Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf n=4",

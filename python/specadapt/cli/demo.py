@@ -99,12 +99,20 @@ def selected_settings(text: str) -> list[Setting]:
     return [SETTINGS[n] for n in names]
 
 
+def bucket_edges(max_new_tokens: int, buckets: int = 8) -> list[int]:
+    """Output-position bucket edges for the plot: ``buckets`` equal buckets over ``max_new_tokens`` (at least 8
+    tokens wide)."""
+    step = max(8, -(-int(max_new_tokens) // buckets))
+    return list(range(0, int(max_new_tokens), step))
+
+
 def generate_argv(args, setting: Setting, json_out: str) -> list[str]:
     """The ``specadapt generate`` arguments (after ``generate``) of one row."""
     flags = [f.replace("{head}", args.draft_head) for f in setting.flags]
     argv = ["--model", args.model, *flags, "--dataset", args.dataset, "--limit", str(args.limit),
             "--max-new-tokens", str(args.max_new_tokens), "--temperature", format(args.temperature, "g"),
-            "--batch-size", str(args.batch_size), "--seed", str(args.seed), "--json", json_out, "--no-progress"]
+            "--batch-size", str(args.batch_size), "--seed", str(args.seed), "--json", json_out, "--no-progress",
+            "--bucket-edges", ",".join(str(e) for e in bucket_edges(args.max_new_tokens))]
     if setting.name != "target-only":
         argv.append("--baseline")
     if args.threads is not None:
