@@ -146,11 +146,14 @@ def _vocab_study(target, native, train, validation, eos, keys) -> dict:
 
 
 def _packaged_path(default_path, target: str):
-    """The packaged head file of ``target`` (``None`` for a target with no shipped head)."""
+    """The packaged head file of ``target``, also before its first training (``None`` for a target with no
+    planned head)."""
+    from specadapt.engine import eagle
+
     try:
         return default_path(target)
     except ValueError:
-        return None
+        return eagle._data_dir() / eagle.EAGLE_HEADS[target] if target in eagle.EAGLE_HEADS else None
 
 
 def main(argv=None) -> int:

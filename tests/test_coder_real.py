@@ -73,9 +73,10 @@ def _coder_head_or_skip() -> str:
     """The coder's EAGLE head: the packaged one, else ``$SPECADAPT_CODER_HEAD`` (a trained candidate)."""
     import os
 
-    from specadapt.engine.eagle import eagle_default_path
+    from specadapt.engine.eagle import eagle_default_path, shipped_heads
 
-    for path in (eagle_default_path("qwen2.5-coder-1.5b"), os.environ.get("SPECADAPT_CODER_HEAD")):
+    packaged = eagle_default_path("qwen2.5-coder-1.5b") if "qwen2.5-coder-1.5b" in shipped_heads() else None
+    for path in (packaged, os.environ.get("SPECADAPT_CODER_HEAD")):
         if path and Path(path).is_file():
             return str(path)
     pytest.skip("no EAGLE head for qwen2.5-coder-1.5b (packaged or $SPECADAPT_CODER_HEAD)")

@@ -71,11 +71,20 @@ def test_a_narrow_head_round_trips_through_its_file(tmp_path):
         torch.testing.assert_close(again(ids, feats).logits, head(ids, feats).logits)
 
 
-def test_shipped_heads_are_named_for_a_target_without_one():
+def test_shipped_heads_are_named_for_a_target_without_one(tmp_path, monkeypatch):
+    from specadapt.engine import eagle as eagle_module
+
     assert set(EAGLE_HEADS) >= {"smollm2-135m", "qwen2.5-coder-1.5b"}
-    with pytest.raises(ValueError, match="qwen2.5-coder-1.5b.*smollm2-135m"):
+    assert "smollm2-135m" in eagle_module.shipped_heads()
+    with pytest.raises(ValueError, match="shipped heads: .*smollm2-135m"):
         eagle_default_path("qwen2.5-coder-0.5b")
     assert eagle_default_path("smollm2-135m").name == EAGLE_HEADS["smollm2-135m"]
+    # a planned head whose file is not in this installation is named as such, not as a broken install
+    (tmp_path / EAGLE_HEADS["smollm2-135m"]).write_bytes(b"x")
+    monkeypatch.setattr(eagle_module, "_data_dir", lambda: tmp_path)
+    assert eagle_module.shipped_heads() == ["smollm2-135m"]
+    with pytest.raises(ValueError, match="not shipped in this installation yet; shipped heads: smollm2-135m"):
+        eagle_default_path("qwen2.5-coder-1.5b")
 
 
 def _eagle_on_kquant(vocab_size: int, seed: int, scale: float, draft_vocab=None, kv="float16"):

@@ -195,7 +195,7 @@ def run_forward_benchmark(
         ``{"machine": {...}, "results": [ForwardResult.record(), ...], "ratios": {...}}``.
     """
     from ..engine import load_model
-    from ..engine.eagle import eagle_default_path, load_eagle_head
+    from ..engine.eagle import eagle_default_path, load_eagle_head, shipped_heads
     from ..engine.native import NativeLlama
     from ..engine.native.eagle import NativeEagleHead
     from ..engine.models import EMBEDDED_DEFAULT
@@ -211,7 +211,7 @@ def run_forward_benchmark(
     results: list[ForwardResult] = []
     tell = progress or (lambda message: None)
     head = None
-    if draft and model_spec == EMBEDDED_DEFAULT and eagle_default_path().is_file():
+    if draft and model_spec == EMBEDDED_DEFAULT and EMBEDDED_DEFAULT in shipped_heads():
         head = load_eagle_head(eagle_default_path(), loaded.model)
     for fmt in formats:
         native = NativeLlama.from_hf(loaded.model, fmt, gguf_path=loaded.gguf_path)

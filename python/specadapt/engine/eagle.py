@@ -40,6 +40,7 @@ __all__ = [
     "EAGLE_DEFAULT_FILE",
     "EAGLE_HEADS",
     "eagle_default_path",
+    "shipped_heads",
 ]
 
 EAGLE_DEFAULT_FILE = "eagle_smollm2_135m.safetensors"
@@ -47,17 +48,30 @@ EAGLE_DEFAULT_FILE = "eagle_smollm2_135m.safetensors"
 EAGLE_HEADS = {"smollm2-135m": EAGLE_DEFAULT_FILE, "qwen2.5-coder-1.5b": "eagle_qwen2.5_coder_1.5b.safetensors"}
 
 
+def _data_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "data"
+
+
+def shipped_heads() -> list[str]:
+    """The targets whose EAGLE head file is in this installation (sorted)."""
+    return sorted(t for t, name in EAGLE_HEADS.items() if (_data_dir() / name).is_file())
+
+
 def eagle_default_path(target: str = "smollm2-135m") -> Path:
-    """Path of the head shipped in the package for the preset ``target`` (may not exist in a checkout that has not
-    trained it).
+    """Path of the head shipped in the package for the preset ``target``.
 
     Raises:
-        ValueError: a target with no shipped head (the message names those that have one).
+        ValueError: a target with no head file in this installation (the message names those that have one, and
+            says when the target's head is planned but not trained here yet).
     """
-    if target not in EAGLE_HEADS:
-        raise ValueError(f"no EAGLE head is shipped for {target!r}; shipped heads: {', '.join(sorted(EAGLE_HEADS))} "
-                         "(or pass --draft eagle:PATH with a head trained by scripts/train_draft.py)")
-    return Path(__file__).resolve().parent.parent / "data" / EAGLE_HEADS[target]
+    path = _data_dir() / EAGLE_HEADS.get(target, "")
+    if target in EAGLE_HEADS and path.is_file():
+        return path
+    have = ", ".join(shipped_heads()) or "none"
+    pending = (f" ({target}'s head is trained by scripts/train_draft.py, docs/draft_training.md, and not shipped "
+               "in this installation yet)" if target in EAGLE_HEADS else "")
+    raise ValueError(f"no EAGLE head is shipped for {target!r}{pending}; shipped heads: {have} (or pass "
+                     "--draft eagle:PATH with a head trained by scripts/train_draft.py)")
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, int, int]:

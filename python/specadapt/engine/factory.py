@@ -115,8 +115,6 @@ def _eagle(path, target: LoadedModel, sampling: SamplingParams, draft_seed: int,
             path = eagle_default_path(target.name)
         except ValueError as exc:  # names the targets that have a head
             raise ValueError(f"--draft eagle: {exc}") from None
-        if not path.is_file():
-            raise FileNotFoundError(f"--draft eagle: the packaged head {path} is missing (reinstall specadapt)")
     head = load_eagle_head(path, target.model, native=target.native if target.skeleton else None)
     native = None
     if target.native is not None:
