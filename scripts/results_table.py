@@ -39,6 +39,11 @@ ROWS: list[dict] = [
          kind="generate", file=f"{JSON_DIR}/code_session_suffix_av_T0_2026-12-07.json",
          machine="AMD EPYC Zen 4 (AVX-512 VNNI), 2 cores", date="2026-12-07",
          command=SESSION_CMD.format(draft="suffix") + " --num-draft-tokens 8 --adaptive-verification"),
+    dict(technique="EAGLE head (`--draft eagle`, L = 2, block; first head, 0.43 epoch)",
+         workload="LiveCodeBench x 2, Qwen2.5-Coder-1.5B, T = 0", kind="generate",
+         file=f"{JSON_DIR}/eagle_coder_T0_L2_block_2026-12-07.json",
+         command=("specadapt generate --model qwen2.5-coder-1.5b --draft eagle --dataset livecodebench --limit 2 "
+                  "--max-new-tokens 256 --temperature 0 --num-draft-tokens 2 --verify block --baseline")),
     dict(technique="prompt lookup (`--draft ngram`)", workload="code sessions, Qwen2.5-Coder-1.5B, T = 0",
          kind="generate", file=f"{JSON_DIR}/code_session_ngram_T0_2026-12-07.json",
          machine="AMD EPYC Zen 4 (AVX-512 VNNI), 2 cores", date="2026-12-07",

@@ -216,7 +216,7 @@ def test_generate_with_tts(capsys, tiny_model_dir, tmp_path, params):
 def test_eagle_needs_a_head_for_other_targets(capsys, tiny_model_dir):
     code, _, err = _run(capsys, "--model", str(tiny_model_dir), "--draft", "eagle", "--limit", "1")
     assert code == 2 and "--draft eagle" in err and "eagle:PATH" in err
-    assert "shipped heads: smollm2-135m" in err  # the targets that have a shipped head
+    assert "shipped heads: qwen2.5-coder-1.5b, smollm2-135m" in err  # the targets that have a shipped head
 
 
 def test_threads_flag_sets_torch_and_is_recorded(capsys, tiny_model_dir, tmp_path):

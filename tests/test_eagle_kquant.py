@@ -83,7 +83,7 @@ def test_shipped_heads_are_named_for_a_target_without_one(tmp_path, monkeypatch)
     (tmp_path / EAGLE_HEADS["smollm2-135m"]).write_bytes(b"x")
     monkeypatch.setattr(eagle_module, "_data_dir", lambda: tmp_path)
     assert eagle_module.shipped_heads() == ["smollm2-135m"]
-    with pytest.raises(ValueError, match="not shipped in this installation yet; shipped heads: smollm2-135m"):
+    with pytest.raises(ValueError, match=r"not shipped in this installation yet\); shipped heads: smollm2-135m"):
         eagle_default_path("qwen2.5-coder-1.5b")
 
 

@@ -39,7 +39,7 @@ def add_engine_arguments(p) -> None:
     add_threads_argument(p)
     p.add_argument(
         "--draft", default=d["draft"], help="ngram (prompt lookup), suffix (continuation frequencies over this request "
-        "and earlier outputs, sized by the match; docs/suffix.md), eagle (the trained head shipped for smollm2-135m), eagle:PATH "
+        "and earlier outputs, sized by the match; docs/suffix.md), eagle (the trained head shipped for the target: smollm2-135m, qwen2.5-coder-1.5b), eagle:PATH "
         "(a head file), self:N (first N target layers), a model path, or none (target-only decoding)"
     )
     p.add_argument("--suffix-max-depth", type=int, default=8, help="--draft suffix: longest context matched (tokens)")
