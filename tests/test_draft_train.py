@@ -480,3 +480,35 @@ def test_the_packaged_head_is_replaced_only_by_a_better_one(tiny_model_dir, tmp_
     assert train.main(common + ["--init-from", str(good), "--lr", "1e-9", "--compare", "none",
                                 "--checkpoint", str(tmp_path / "c.pt"), "--log", str(tmp_path / "c.json")]) == 0
     assert packaged.is_file()  # nothing compared: the packaged path is written
+
+
+def test_vocab_study_and_two_data_directories_with_a_narrow_head(tmp_path, monkeypatch):
+    """--vocab-study builds its heads at --intermediate-size; --data takes two directories whose shared prompts are
+    one prompt of the validation split (the keys are merged), and the head file keeps its width."""
+    import json
+
+    from tests.helpers.models import WORDS, save_tiny_model_dir
+    from specadapt.engine.eagle import load_eagle_head
+    from specadapt.engine.models import load_model
+
+    # the vocabulary study times a step at 512 cached positions: a model with room past them
+    tiny_model_dir = save_tiny_model_dir(tmp_path / "model", WORDS, max_positions=1024)
+    gen, train = _script("gen_draft_data"), _script("train_draft")
+    first, second = tmp_path / "d1", tmp_path / "d2"
+    for out, seed in ((first, "0"), (second, "1")):
+        assert gen.main(["--target", str(tiny_model_dir), "--out", str(out), "--min-tokens", "80", "--seed", seed,
+                         "--max-new-tokens", "16", "--batch-size", "4", "--limit-prompts", "4"]) == 0
+    monkeypatch.setattr(train, "VOCAB_SIZES", (8, 16))  # the tiny vocabulary has 24 tokens
+    log = tmp_path / "study.json"
+    assert train.main(["--target", str(tiny_model_dir), "--data", str(first), "--vocab-study", "--intermediate-size",
+                       "32", "--log", str(log), "--val-fraction", "0.3"]) == 0
+    assert json.loads(log.read_text())["vocab_study"]["sizes"]
+    out = tmp_path / "narrow.safetensors"
+    assert train.main(["--target", str(tiny_model_dir), "--data", str(first), str(second), "--draft-vocab", "20",
+                       "--epochs", "1", "--batch", "2", "--val-fraction", "0.3", "--intermediate-size", "32",
+                       "--compare", "none", "--out", str(out), "--checkpoint", str(tmp_path / "n.pt"),
+                       "--log", str(tmp_path / "n.json")]) == 0
+    info = json.loads((tmp_path / "n.json").read_text())
+    assert info["data"]["directory"] == [str(first), str(second)]
+    assert all(isinstance(k, str) and ":" in k for k in info["data"]["validation_prompts"])
+    assert load_eagle_head(out, load_model(str(tiny_model_dir)).model).config.intermediate_size == 32

@@ -127,21 +127,6 @@ class _NativeEmbedding(nn.Module):
         return self.native.embed_tokens(flat).reshape(*ids.shape, -1)
 
 
-class _FrozenRMSNorm(nn.Module):
-    """The target's final RMSNorm from a weight vector (``[*, h] -> [*, h]``, computed in float32)."""
-
-    def __init__(self, weight: torch.Tensor, eps: float) -> None:
-        super().__init__()
-        self.__dict__["weight"] = weight.detach().float()
-        self.eps = float(eps)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.to(x.device) * x).to(dtype)
-
-
 class EagleHead(nn.Module):
     """The trainable part of an EAGLE-style draft (see the module docstring).
 
@@ -230,7 +215,12 @@ class EagleHead(nn.Module):
         if int(native.hidden_size) != self.hidden_size:
             raise ValueError(f"target hidden size {native.hidden_size} != head hidden size {self.hidden_size}")
         rows = native.lm_head.select_rows(self.draft_vocab.to(torch.int64)).dequantize().float()
-        self.__dict__["_shared"] = (_NativeEmbedding(native), _FrozenRMSNorm(native.final_norm, eps), rows)
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        norm = LlamaRMSNorm(self.hidden_size, eps=eps).requires_grad_(False)  # the target's final norm, frozen
+        with torch.no_grad():
+            norm.weight.copy_(native.final_norm.float())
+        self.__dict__["_shared"] = (_NativeEmbedding(native), norm, rows)
         return self
 
     @property
