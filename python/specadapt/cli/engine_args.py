@@ -40,7 +40,8 @@ def add_engine_arguments(p) -> None:
     p.add_argument(
         "--draft", default=d["draft"], help="ngram (prompt lookup), suffix (continuation frequencies over this request "
         "and earlier outputs, sized by the match; docs/suffix.md), eagle (the trained head shipped for the target: smollm2-135m, qwen2.5-coder-1.5b), eagle:PATH "
-        "(a head file), self:N (first N target layers), a model path, or none (target-only decoding)"
+        "(a head file), eagle+suffix / eagle:PATH+suffix (the hybrid: suffix drafts where the text repeats, the head "
+        "elsewhere; docs/suffix.md), self:N (first N target layers), a model path, or none (target-only decoding)"
     )
     p.add_argument("--suffix-max-depth", type=int, default=8, help="--draft suffix: longest context matched (tokens)")
     p.add_argument("--suffix-factor", type=float, default=1.0,
@@ -50,6 +51,13 @@ def add_engine_arguments(p) -> None:
     p.add_argument("--suffix-global-tokens", type=int, default=16384,
                    help="--draft suffix: earlier requests' output tokens kept in the shared index, oldest evicted "
                         "(0: per request only)")
+    p.add_argument("--hybrid-min-match", type=int, default=4,
+                   help="--draft eagle+suffix: suffix match length (tokens) from which a round takes the suffix draft")
+    p.add_argument("--hybrid-min-tokens", type=int, default=2,
+                   help="--draft eagle+suffix: fewest suffix drafts for a round to take the suffix draft")
+    p.add_argument("--hybrid-model-tokens", type=int, default=2,
+                   help="--draft eagle+suffix: the head's chain length on rounds it drafts (--num-draft-tokens caps "
+                        "the suffix draft)")
     p.add_argument("--temperature", type=float, default=d["temperature"], help="0 = greedy")
     p.add_argument("--top-p", type=float, default=d["top_p"], help="nucleus sampling mass, in (0, 1]")
     p.add_argument("--top-k", type=int, default=d["top_k"], help="0 disables top-k")
@@ -172,10 +180,14 @@ def validate_engine_args(args) -> None:
         if not os.path.exists(args.draft):
             raise UsageError(f"--draft: {args.draft!r} is neither none, ngram, suffix, eagle, eagle:PATH, self:N nor an "
                              "existing model directory or .gguf file")
-    if get_rule(args.verify).multi_path and draft_kind in ("ngram", "suffix"):
+    if get_rule(args.verify).multi_path and draft_kind in ("ngram", "suffix", "hybrid"):
         raise UsageError(f"--verify {args.verify} needs a sampled draft (eagle, self:N or a model path): the "
-                         f"{draft_kind} draft proposes one deterministic path")
+                         f"{args.draft} draft proposes one path")
+    if draft_kind == "hybrid" and args.adaptive_verification:
+        raise UsageError(f"--adaptive-verification does not apply to --draft {args.draft} yet: its estimator is "
+                         "fitted on one draft family's feature (use --draft suffix or eagle with it)")
     suffix_config(args)  # every --suffix-* range, named
+    hybrid_config(args)  # every --hybrid-* range, named
     if args.tts:
         if draft_kind in ("ngram", "suffix"):
             raise UsageError(f"--tts needs a model draft (--draft eagle, self:N or a model path): {draft_kind} has no "
@@ -198,9 +210,9 @@ SUFFIX_NUM_DRAFT_TOKENS = 4
 def default_num_draft_tokens(draft: str, verify: str, adaptive: bool) -> int:
     """The ``--num-draft-tokens`` default: 4 for ``suffix`` (a cap), 5 with adaptive verification (it prunes each round to what pays) and for
     drafts without a measurement, 2 for ``gbv`` (K paths of 2), else the measured L of the draft family."""
-    family = draft.split(":", 1)[0]
-    if family == "suffix":  # a cap: the draft sizes each round from its match (--suffix-factor x match length)
-        return SUFFIX_NUM_DRAFT_TOKENS
+    family = "suffix" if draft.endswith("+suffix") else draft.split(":", 1)[0]
+    if family == "suffix":  # a cap: the draft sizes each round from its match (--suffix-factor x match length); the
+        return SUFFIX_NUM_DRAFT_TOKENS  # hybrid's suffix rounds too (--hybrid-model-tokens sizes the head's)
     if adaptive:
         return 5
     if family not in MEASURED_NUM_DRAFT_TOKENS:
@@ -269,9 +281,25 @@ def suffix_config(args):
         raise UsageError(f"--suffix-{field.replace('_', '-')}: {exc}") from None
 
 
+def hybrid_config(args):
+    """The :class:`~specadapt.engine.hybrid.HybridConfig` of the ``--hybrid-*`` flags.
+
+    Raises:
+        UsageError: a value out of range, naming its flag.
+    """
+    from ..engine.hybrid import HybridConfig
+
+    values = {k: getattr(args, f"hybrid_{k}", None) for k in ("min_match", "min_tokens", "model_tokens")}
+    try:
+        return HybridConfig(**{k: v for k, v in values.items() if v is not None})
+    except ValueError as exc:
+        field = str(exc).split(" ", 1)[0]
+        raise UsageError(f"--hybrid-{field.replace('_', '-')}: {exc}") from None
+
+
 def load_target_and_draft(model: str, draft: str, sampling, seed: int, dtype: str, device: str,
                           error: type[Exception] = UsageError, forward: str = "auto", kv_dtype: str = "auto",
-                          suffix=None, trainable_draft: bool = False):
+                          suffix=None, trainable_draft: bool = False, hybrid=None):
     """Load the target, attach its forward and build the draft as ``specadapt generate`` does.
 
     Args:
@@ -279,6 +307,7 @@ def load_target_and_draft(model: str, draft: str, sampling, seed: int, dtype: st
             ``--dtype`` weight format; device: ``cpu`` / ``cuda``; forward: ``--forward``; kv_dtype: ``--kv-dtype``.
         error: exception class raised for a bad model, draft or format (its message names the flag).
         suffix: the ``SuffixConfig`` of ``--draft suffix`` (:func:`suffix_config`; ``None``: defaults).
+        hybrid: the ``HybridConfig`` of ``--draft eagle+suffix`` (:func:`hybrid_config`; ``None``: defaults).
         trainable_draft: ``--tts`` will train the draft: a ``self:N`` draft needs the target's float32 weights (the
             target is then not loaded as a skeleton over its GGUF blocks) and a standalone draft loads its own.
 
@@ -308,7 +337,7 @@ def load_target_and_draft(model: str, draft: str, sampling, seed: int, dtype: st
     torch_dtype = next(target.model.parameters()).dtype
     try:
         built = build_draft(draft, target, sampling, seed, dtype=torch_dtype, device=device, suffix=suffix,
-                            trainable=trainable_draft)
+                            trainable=trainable_draft, hybrid=hybrid)
     except (ModelLoadError, VocabularyMismatchError, ValueError, FileNotFoundError) as exc:
         message = str(exc)
         raise error(message if message.startswith("--draft") else f"--draft: {message}") from None
@@ -447,8 +476,9 @@ def build_engine(args, max_batch_size: int, ignore_eos: bool = False, error: typ
     sampling = sampling_params(args)
     target, draft = load_target_and_draft(args.model, args.draft, sampling, args.seed, args.dtype, args.device,
                                           error=error, forward=args.forward, kv_dtype=args.kv_dtype,
-                                          suffix=suffix_config(args) if args.draft == "suffix" else None,
-                                          trainable_draft=bool(args.tts))
+                                          suffix=suffix_config(args) if "suffix" in args.draft else None,
+                                          trainable_draft=bool(args.tts),
+                                          hybrid=hybrid_config(args) if args.draft.endswith("+suffix") else None)
     if sampling.logit_bias and sampling.logit_bias[-1][0] >= target.vocab_size:
         raise error(f"--logit-bias: token id {sampling.logit_bias[-1][0]} is outside the model's vocabulary "
                     f"({target.vocab_size} tokens)")

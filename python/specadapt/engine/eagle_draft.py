@@ -287,8 +287,11 @@ class EagleDraft(Draft):
         self._round_open = False
         if self._round_features is None:
             raise RuntimeError("EAGLE draft: the loop did not pass the round's target features (observe_target)")
-        if self._fed_before is None:  # a plain round (nothing drafted or fed): one pair per row
-            self._pending.append_one(self._round_features)
+        if self._fed_before is None:  # the head fed and drafted nothing this round: its verified pairs wait
+            if self._round_features.shape[1] == 1:  # a plain round: one pair per row
+                self._pending.append_one(self._round_features)
+            else:  # another drafter's tokens were verified (the hybrid draft): every accepted pair + the bonus
+                self._pending.append(self._round_features, accept_len.to(torch.int64) + 1)
         else:
             self._end_scratch()  # a probe's scratch rows roll back past their window too
             self.kv.truncate(self._fed_before)  # drop the entries fed with the head's own outputs

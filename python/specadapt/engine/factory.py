@@ -1,4 +1,5 @@
-"""Build a draft from its command-line spec (``none``, ``ngram``, ``suffix``, ``eagle``, ``eagle:PATH``, ``self:N``, or a model path)."""
+"""Build a draft from its command-line spec (``none``, ``ngram``, ``suffix``, ``eagle``, ``eagle:PATH``,
+``eagle+suffix`` / ``eagle:PATH+suffix`` (the hybrid), ``self:N``, or a model path)."""
 
 from __future__ import annotations
 
@@ -18,12 +19,19 @@ _SELF = re.compile(r"^self:(\d+)$")
 
 def parse_draft_spec(spec: str) -> tuple[str, int | str | None]:
     """Split a draft spec into ``("none", None)`` (target-only), ``("ngram", None)``, ``("suffix", None)``,
-    ``("eagle", path or None)``, ``("self", N)`` or
+    ``("eagle", path or None)``, ``("hybrid", "eagle" or "eagle:PATH")`` (``...+suffix``), ``("self", N)`` or
     ``("model", path)``.
 
     Raises:
-        ValueError: a ``self:`` spec without a positive integer.
+        ValueError: a ``self:`` spec without a positive integer; a ``+suffix`` spec whose model part is not
+            ``eagle`` / ``eagle:PATH``.
     """
+    if spec.endswith("+suffix"):
+        model_spec = spec[: -len("+suffix")]
+        if not (model_spec == "eagle" or (model_spec.startswith("eagle:") and len(model_spec) > 6)):
+            raise ValueError(f"--draft {spec}: the hybrid's model draft must be eagle or eagle:PATH, got "
+                             f"{model_spec!r}")
+        return "hybrid", model_spec
     if spec in ("ngram", "none", "suffix"):
         return spec, None
     if spec == "eagle":
@@ -50,10 +58,12 @@ def build_draft(
     native_format: str | None = None,
     suffix=None,
     trainable: bool = False,
+    hybrid=None,
 ) -> Draft:
     """Construct the draft named by ``spec`` for ``target``. When the target runs on the native forward, a model
     draft does too, in ``native_format`` (default: the target's weight format). ``suffix``: the
-    :class:`~specadapt.engine.suffix.SuffixConfig` of ``--draft suffix`` (default settings when ``None``).
+    :class:`~specadapt.engine.suffix.SuffixConfig` of ``--draft suffix`` (default settings when ``None``);
+    ``hybrid``: the :class:`~specadapt.engine.hybrid.HybridConfig` of ``--draft eagle+suffix``.
     ``trainable``: Test-Time Speculation will train the draft, so a standalone model draft loads its float32
     weights (not a skeleton over its GGUF file's blocks).
 
@@ -76,6 +86,12 @@ def build_draft(
         return SuffixDraft(suffix)
     if kind == "eagle":
         return _eagle(value, target, sampling, draft_seed, spec, native_format)
+    if kind == "hybrid":
+        from .hybrid import HybridDraft
+        from .suffix import SuffixDraft
+
+        model = _eagle(parse_draft_spec(value)[1], target, sampling, draft_seed, value, native_format)
+        return HybridDraft(model, SuffixDraft(suffix), hybrid, name=spec)
     if kind == "self":
         if trainable and target.skeleton:
             raise ValueError(f"--draft {spec} with --tts trains the target's first layers, but {target.name} was loaded "
