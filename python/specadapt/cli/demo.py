@@ -11,6 +11,7 @@ one machine, never across processes. The settings (``--settings``):
     eagle+tts     --draft eagle --tts                Test-Time Speculation (docs/tts.md)
     eagle+av      --draft eagle --adaptive-verification   (docs/adaptive_verification.md)
     eagle+gbv     --draft eagle --verify gbv         greedy multi-path block verification (docs/verification.md)
+    eagle+suffix  --draft eagle+suffix               the hybrid: suffix drafts where the text repeats (docs/suffix.md)
 
 It prints one table (decode tok/s of the setting and of its paired target-only run, the speedup, acceptance length
 and the accept rate of each draft position), the exact ``specadapt generate`` command of every row, and writes
@@ -54,6 +55,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("eagle+tts", ("--draft", "{head}", "--tts"), True, "EAGLE + Test-Time Speculation"),
     Setting("eagle+av", ("--draft", "{head}", "--adaptive-verification"), True, "EAGLE + adaptive verification"),
     Setting("eagle+gbv", ("--draft", "{head}", "--verify", "gbv"), True, "EAGLE + GBV (3 paths)"),
+    Setting("eagle+suffix", ("--draft", "{head}+suffix"), True, "hybrid: suffix where text repeats, else EAGLE"),
 )}
 
 DEFAULT_SETTINGS = ",".join(SETTINGS)
