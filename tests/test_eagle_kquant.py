@@ -87,6 +87,20 @@ def test_shipped_heads_are_named_for_a_target_without_one(tmp_path, monkeypatch)
         eagle_default_path("qwen2.5-coder-1.5b")
 
 
+def test_a_preset_named_by_its_gguf_path_gets_its_shipped_head(tmp_path, monkeypatch):
+    """``--model <cache>/<preset file>.gguf`` (how bench_llamacpp.py passes the target) is that preset for
+    ``--draft eagle``; another file of the same folder is not."""
+    from specadapt.engine import eagle as eagle_module
+    from specadapt.engine.presets import PRESETS
+
+    (tmp_path / EAGLE_HEADS["qwen2.5-coder-1.5b"]).write_bytes(b"x")
+    monkeypatch.setattr(eagle_module, "_data_dir", lambda: tmp_path)
+    gguf = tmp_path / "models" / PRESETS["qwen2.5-coder-1.5b"].file_name
+    assert eagle_default_path(str(gguf)) == tmp_path / EAGLE_HEADS["qwen2.5-coder-1.5b"]
+    with pytest.raises(ValueError, match="no EAGLE head is shipped for 'qwen2.5-coder-0.5b'"):
+        eagle_default_path(str(tmp_path / "models" / PRESETS["qwen2.5-coder-0.5b"].file_name))
+
+
 def _eagle_on_kquant(vocab_size: int, seed: int, scale: float, draft_vocab=None, kv="float16"):
     """``(target, draft factory)``: the tiny K-quant target as a loaded model on its native forward, and an
     EAGLE draft whose head is attached through the skeleton path and runs natively in the file's formats."""

@@ -55,7 +55,7 @@ def add_engine_arguments(p) -> None:
                    help="--draft eagle+suffix: suffix match length (tokens) from which a round takes the suffix draft")
     p.add_argument("--hybrid-min-tokens", type=int, default=2,
                    help="--draft eagle+suffix: fewest suffix drafts for a round to take the suffix draft")
-    p.add_argument("--hybrid-model-tokens", type=int, default=2,
+    p.add_argument("--hybrid-model-tokens", type=int, default=1,
                    help="--draft eagle+suffix: the head's chain length on rounds it drafts (--num-draft-tokens caps "
                         "the suffix draft)")
     p.add_argument("--temperature", type=float, default=d["temperature"], help="0 = greedy")
