@@ -88,17 +88,25 @@ def test_shipped_heads_are_named_for_a_target_without_one(tmp_path, monkeypatch)
 
 
 def test_a_preset_named_by_its_gguf_path_gets_its_shipped_head(tmp_path, monkeypatch):
-    """``--model <cache>/<preset file>.gguf`` (how bench_llamacpp.py passes the target) is that preset for
-    ``--draft eagle``; another file of the same folder is not."""
+    """``--model <cache>/<preset file>.gguf`` (how bench_llamacpp.py passes the target) is that preset
+    (``LoadedModel.preset``), so ``--draft eagle`` finds its head; another preset's file names that preset, and an
+    unknown file none."""
     from specadapt.engine import eagle as eagle_module
+    from specadapt.engine.models import LoadedModel, preset_of
     from specadapt.engine.presets import PRESETS
 
     (tmp_path / EAGLE_HEADS["qwen2.5-coder-1.5b"]).write_bytes(b"x")
     monkeypatch.setattr(eagle_module, "_data_dir", lambda: tmp_path)
-    gguf = tmp_path / "models" / PRESETS["qwen2.5-coder-1.5b"].file_name
-    assert eagle_default_path(str(gguf)) == tmp_path / EAGLE_HEADS["qwen2.5-coder-1.5b"]
+    gguf = str(tmp_path / "models" / PRESETS["qwen2.5-coder-1.5b"].file_name)
+    loaded = LoadedModel(name=gguf, model=None, tokenizer=None, gguf_path=gguf)
+    assert loaded.preset == "qwen2.5-coder-1.5b"
+    assert eagle_default_path(loaded.preset) == tmp_path / EAGLE_HEADS["qwen2.5-coder-1.5b"]
+    other = str(tmp_path / "models" / PRESETS["qwen2.5-coder-0.5b"].file_name)
+    assert preset_of(other, other) == "qwen2.5-coder-0.5b"
     with pytest.raises(ValueError, match="no EAGLE head is shipped for 'qwen2.5-coder-0.5b'"):
-        eagle_default_path(str(tmp_path / "models" / PRESETS["qwen2.5-coder-0.5b"].file_name))
+        eagle_default_path(preset_of(other, other))
+    assert preset_of("smollm2-135m") == "smollm2-135m"
+    assert preset_of(str(tmp_path / "mine.gguf"), str(tmp_path / "mine.gguf")) is None
 
 
 def _eagle_on_kquant(vocab_size: int, seed: int, scale: float, draft_vocab=None, kv="float16"):

@@ -57,25 +57,14 @@ def shipped_heads() -> list[str]:
     return sorted(t for t, name in EAGLE_HEADS.items() if (_data_dir() / name).is_file())
 
 
-def _preset_name(target: str) -> str:
-    """``target`` itself, or the preset whose GGUF file it names (``--model ~/.cache/.../<preset file>.gguf``)."""
-    if target in EAGLE_HEADS:
-        return target
-    from .presets import PRESETS
-
-    name = Path(str(target)).name
-    return next((p.name for p in PRESETS.values() if p.file_name == name), target)
-
-
 def eagle_default_path(target: str = "smollm2-135m") -> Path:
-    """Path of the head shipped in the package for the preset ``target`` (a preset name, or a path to the
-    preset's own GGUF file, matched by file name).
+    """Path of the head shipped in the package for the preset ``target`` (a loaded model's
+    :attr:`~specadapt.engine.models.LoadedModel.preset`, which also names a preset given by its GGUF path).
 
     Raises:
         ValueError: a target with no head file in this installation (the message names those that have one, and
             says when the target's head is planned but not trained here yet).
     """
-    target = _preset_name(target)
     path = _data_dir() / EAGLE_HEADS.get(target, "")
     if target in EAGLE_HEADS and path.is_file():
         return path

@@ -128,7 +128,7 @@ def _eagle(path, target: LoadedModel, sampling: SamplingParams, draft_seed: int,
 
     if path is None:
         try:
-            path = eagle_default_path(target.name)
+            path = eagle_default_path(target.preset or target.name)
         except ValueError as exc:  # names the targets that have a head
             raise ValueError(f"--draft eagle: {exc}") from None
     head = load_eagle_head(path, target.model, native=target.native if target.skeleton else None)

@@ -38,7 +38,8 @@ FORWARDS = ("auto", "native", "hf")
 WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4", "gguf")
 
 __all__ = ["EMBEDDED_DEFAULT", "FORWARDS", "WEIGHT_FORMATS", "LoadedModel", "ModelLoadError", "load_model",
-           "resolve_model_spec", "parse_dtype", "attach_forward", "default_weight_format", "file_blocks_for"]
+           "resolve_model_spec", "parse_dtype", "preset_of", "attach_forward", "default_weight_format",
+           "file_blocks_for"]
 
 
 @dataclass
@@ -51,6 +52,13 @@ class LoadedModel:
     gguf_path: str | None = None
     native: object = None  # a specadapt.engine.native.NativeLlama when the native forward is attached
     skeleton: bool = False  # the model is on the meta device: its weights are the file's blocks (--dtype gguf)
+
+    @property
+    def preset(self) -> str | None:
+        """The named model this is (:data:`EMBEDDED_DEFAULT` or a preset of
+        :data:`~specadapt.engine.presets.PRESETS`), whether it was loaded by that name or from that GGUF file's
+        path (matched by file name); None for any other model."""
+        return preset_of(self.name, self.gguf_path)
 
     @property
     def forward_name(self) -> str:
@@ -92,6 +100,25 @@ class LoadedModel:
                 continue
             ids.update([value] if isinstance(value, int) else list(value))
         return ids
+
+
+def preset_of(spec: str, gguf_path: str | None = None) -> str | None:
+    """The named model ``spec`` / ``gguf_path`` is: ``spec`` itself when it is :data:`EMBEDDED_DEFAULT` or a preset
+    name, else the preset (or the embedded default) whose GGUF file name ``gguf_path`` has, else None."""
+    from .presets import PRESETS
+
+    if spec == EMBEDDED_DEFAULT or spec in PRESETS:
+        return spec
+    if gguf_path is None:
+        return None
+    name = Path(gguf_path).name
+    match = next((p.name for p in PRESETS.values() if p.file_name == name), None)
+    if match is None and importlib.util.find_spec(_SMOLLM2_PACKAGE) is not None:
+        try:
+            match = EMBEDDED_DEFAULT if _smollm2_gguf()[1] == name else None
+        except ModelLoadError:
+            match = None
+    return match
 
 
 def parse_dtype(name: str) -> torch.dtype:
