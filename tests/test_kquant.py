@@ -89,6 +89,27 @@ def test_kquant_parts_round_trip_and_select_rows(fmt):
     assert torch.equal(weight.select_rows(pick).dequantize(), weight.dequantize()[pick])
 
 
+@pytest.mark.parametrize("fmt", [WeightFormat.Q4_K, WeightFormat.Q6_K, WeightFormat.Q8_0, WeightFormat.Q4_1])
+@pytest.mark.parametrize("chunk_groups", [1, 2, 256])
+def test_select_rows_across_group_chunks(fmt, chunk_groups):
+    """Rows in any order, with repeats, from several 16-row groups (a padded last one included), unpacked a few
+    groups at a time: the same matrix rows as de-quantising everything and indexing it."""
+    rows, cols = 77, 256
+    if fmt.is_k:
+        weight = decode_tensor(fmt.name, random_blocks(fmt.name, rows, cols, seed=11), rows, cols)
+    else:
+        from specadapt.engine.native.formats import pack_weight
+
+        weight = pack_weight(torch.randn(rows, cols, generator=torch.Generator().manual_seed(11)), fmt)
+    pick = torch.tensor([76, 3, 40, 3, 0, 15, 16, 64, 75, 31, 76])
+    got = weight.select_rows(pick, chunk_groups=chunk_groups)
+    assert got.format == fmt and got.rows == pick.numel()
+    assert torch.equal(got.dequantize(), weight.dequantize()[pick])
+    assert weight.select_rows(torch.tensor([], dtype=torch.int64)).rows == 0
+    with pytest.raises(IndexError, match="rows must lie in"):
+        weight.select_rows(torch.tensor([rows]))
+
+
 @needs_kernels
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("M", [1, 2, 3, 5, 9])
