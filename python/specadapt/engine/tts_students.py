@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..tts import Student, TTSExample, find_lora_slots
+from .tts_windows import shared_window_logits
 
 __all__ = ["EagleDraftStudent", "EngineStudent", "ModelDraftStudent"]
 
@@ -150,49 +151,17 @@ class EagleDraftStudent(_EngineStudentBase):
         return torch.stack(logits)
 
     @staticmethod
-    def logits_batch(module: nn.Module, contexts: list, drafts: list[torch.Tensor]) -> torch.Tensor:
-        """:meth:`logits_one` for many examples in one padded pass: ``[N, C_max, Vd]`` (row ``i``'s positions past
-        its own ``C_i`` are meaningless). Windows are left-padded so every row's last real pair sits in the last
-        column; padded keys are masked."""
-        from transformers import DynamicCache
-
-        n = len(contexts)
-        device = module.fuse.weight.device
-        dtype = module.fuse.weight.dtype
-        lengths = torch.tensor([c[1].shape[0] for c in contexts])
-        width = int(lengths.max())
-        c_max = max(int(d.shape[0]) for d in drafts)
-        feats = torch.zeros(n, width, contexts[0][0].shape[1])
-        tokens = torch.zeros(n, width, dtype=torch.int64)
-        for i, (f, t) in enumerate(contexts):
-            feats[i, width - t.shape[0] :] = f
-            tokens[i, width - t.shape[0] :] = t
-        col = torch.arange(width)
-        valid = col[None, :] >= (width - lengths)[:, None]  # [N, W]
-        positions = (col[None, :] - (width - lengths)[:, None]).clamp_min(0)
-        neg = torch.finfo(dtype).min
-        allowed = valid[:, None, :] & (col[None, None, :] <= col[None, :, None])  # causal over real keys
-        allowed = allowed | torch.eye(width, dtype=torch.bool)[None]  # padded queries see themselves (no NaN)
-        mask = torch.where(allowed, 0.0, neg).to(dtype)[:, None]
-        cache = DynamicCache(config=module.config)
-        out = module(tokens.to(device), feats.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
-                     cache=cache, use_cache=True, logits_to_keep=1)
-        g, logits = out.hidden[:, -1:], [out.logits[:, -1]]
-        step_tokens = torch.zeros(n, c_max, dtype=torch.int64)
-        for i, d in enumerate(drafts):
-            step_tokens[i, : d.shape[0]] = d
-        keys_valid = valid
-        for k in range(1, c_max):
-            keys_valid = torch.cat([keys_valid, torch.ones(n, 1, dtype=torch.bool)], dim=1)
-            step_mask = torch.where(keys_valid, 0.0, neg).to(dtype)[:, None, None, :]
-            pos = (lengths + k - 1)[:, None]
-            step = module(step_tokens[:, k - 1 : k].to(device), g, attention_mask=step_mask.to(device),
-                          position_ids=pos.to(device), cache=cache, use_cache=True)
-            g = step.hidden[:, -1:]
-            logits.append(step.logits[:, -1])
-        return torch.stack(logits, dim=1)
+    def logits_batch(module: nn.Module, contexts: list, drafts: list[torch.Tensor],
+                     slots: list[int] | None = None) -> torch.Tensor:
+        """:meth:`logits_one` for many examples: ``[N, C_max, Vd]`` (row ``i``'s positions past its own ``C_i`` are
+        meaningless). Examples whose windows overlap (the rounds of one request) share one pass over their union,
+        each query masked to its own window (:func:`~specadapt.engine.tts_windows.shared_window_logits`).
+        ``slots``: per example adapter slot with per-request LoRA adapters (``--tts-scope request``)."""
+        lora = find_lora_slots(module) if slots is not None else None
+        return shared_window_logits(module, contexts, drafts, lora, slots)
 
     def example_logits(self, module: nn.Module, examples: Sequence[TTSExample]) -> torch.Tensor:
-        """All examples in one padded pass (:meth:`logits_batch`): ``[N, C_max, Vd] float32``."""
-        self._select_slots(find_lora_slots(module), examples)
-        return self.logits_batch(module, [ex.context for ex in examples], [ex.drafts for ex in examples]).float()
+        """All examples in shared passes (:meth:`logits_batch`): ``[N, C_max, Vd] float32``."""
+        slots = [ex.slot for ex in examples] if find_lora_slots(module) is not None else None
+        return self.logits_batch(module, [ex.context for ex in examples], [ex.drafts for ex in examples],
+                                 slots).float()

@@ -62,6 +62,19 @@ class TTSStats:
     losses: list[float] = field(default_factory=list)
 
 
+def _adam(params: list[torch.Tensor], lr: float) -> torch.optim.Adam:
+    """Adam over ``params``: PyTorch's fused kernel on the CPU (one pass over each tensor; the per-tensor loop
+    took 0.2 s of a 0.7 s update on the coder's 30M-parameter head, 2 cores), its default (``foreach``)
+    elsewhere. Same update rule either way."""
+    if params and all(p.device.type == "cpu" and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                      for p in params):
+        try:
+            return torch.optim.Adam(params, lr=lr, fused=True)
+        except (RuntimeError, TypeError, ValueError):  # a torch without the fused CPU kernel
+            pass
+    return torch.optim.Adam(params, lr=lr)
+
+
 class TTSUpdater:
     """Online distillation of a draft module (see the module docstring).
 
@@ -119,7 +132,7 @@ class TTSUpdater:
         for p in self.shadow_params:
             p.requires_grad_(True)
         self.shadow.train(False)  # no dropout: the draft samples from the module as-is
-        self.optimizer = torch.optim.Adam(self.shadow_params, lr=config.lr)
+        self.optimizer = _adam(self.shadow_params, config.lr)
         self.initial = [p.detach().clone() for p in self.serving_params]  # rollback target, parameter dtype
         self.stats = TTSStats()
         self.device = self.serving_params[0].device
