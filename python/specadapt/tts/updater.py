@@ -270,13 +270,14 @@ class TTSUpdater:
                 else:
                     self.optimizer.zero_grad(set_to_none=True)
                     loss.backward()
-                    grads = [p.grad for p in self.shadow_params if p.grad is not None]
-                    finite = all(bool(torch.isfinite(g).all()) for g in grads)
-                    if not finite or not grads:
+                    grads = [p for p in self.shadow_params if p.grad is not None]
+                    # the total norm is finite exactly when every gradient entry is (one fused pass; a NaN or
+                    # inf entry makes it NaN / inf), so it is both the check and the clip's norm
+                    norm = torch.nn.utils.clip_grad_norm_(grads, self.config.grad_clip) if grads else None
+                    if norm is None or not bool(torch.isfinite(norm)):
                         self.stats.skipped += 1
                         self.optimizer.zero_grad(set_to_none=True)
                     else:
-                        torch.nn.utils.clip_grad_norm_(self.shadow_params, self.config.grad_clip)
                         self.optimizer.step()
                         self.stats.updates += 1
                         self.stats.losses.append(float(loss.detach()))
