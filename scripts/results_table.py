@@ -25,12 +25,24 @@ END = "<!-- results-table:end -->"
 JSON_DIR = "docs/results_json"
 SESSION_CMD = ("specadapt generate --model qwen2.5-coder-1.5b --dataset livecodebench --session 1 --follow-ups code "
                "--limit 2 --session-context 4096 --max-new-tokens 768 --temperature 0 --draft {draft} --baseline")
-LLAMACPP_T1_CMD = ("python scripts/bench_llamacpp.py --temperature 1.0 --skip bench ngram --limit 3 "
-                   "--max-new-tokens 256")
+ANCHOR_CMD = ("python scripts/bench_llamacpp.py --limit 4 --max-new-tokens 256 --skip bench "
+              "--specadapt-drafts ngram suffix eagle eagle+suffix")
+ANCHOR_FILE = f"{JSON_DIR}/bench_llamacpp_anchor_spec_T0_2026-12-08.json"
+ANCHOR_WORKLOAD = "LiveCodeBench x 4, 256 tokens, Qwen2.5-Coder-1.5B, T = 0, both engines on the same GGUF file"
+DEMO_FILE = f"{JSON_DIR}/demo_coder_session_T0_2026-12-08.json"
+DEMO_WORKLOAD = "`make demo`: one code session (answer + unit-test turn), Qwen2.5-Coder-1.5B, T = 0"
 
 #: The table's rows, in order. ``machine`` / ``date`` / ``command`` given here win; else they are read from the JSON
 #: where it records them (demo.json, bench_llamacpp.py, generate runs from 2026-12-07's third session on).
 ROWS: list[dict] = [
+    *[dict(technique=label, workload=ANCHOR_WORKLOAD, kind="llamacpp", file=ANCHOR_FILE, setting=setting,
+           baseline="llama.cpp target-only", command=ANCHOR_CMD)
+      for setting, label in (
+          ("specadapt eagle+suffix", "specadapt hybrid (`eagle+suffix`) **vs llama.cpp target-only**"),
+          ("specadapt eagle", "specadapt EAGLE head **vs llama.cpp target-only**"),
+          ("llama.cpp ngram-map-k", "llama.cpp's best n-gram type (`ngram-map-k`), for comparison"),
+          ("llama.cpp draft Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf n=4",
+           "llama.cpp + the 0.5B draft, for comparison"))],
     dict(technique="suffix decoding (`--draft suffix`, L = 4)", workload="code sessions, Qwen2.5-Coder-1.5B, T = 0",
          kind="generate", file=f"{JSON_DIR}/code_session_suffix_L4_T0_2026-12-07.json",
          machine="AMD EPYC Zen 4 (AVX-512 VNNI), 2 cores", date="2026-12-07",
@@ -58,20 +70,11 @@ ROWS: list[dict] = [
          kind="generate", file=f"{JSON_DIR}/code_session_ngram_T0_2026-12-07.json",
          machine="AMD EPYC Zen 4 (AVX-512 VNNI), 2 cores", date="2026-12-07",
          command=SESSION_CMD.format(draft="ngram")),
-    *[dict(technique=label, workload="AIME 2024 x 2, 256 tokens, SmolLM2-135M, T = 0", kind="demo",
-           file=f"{JSON_DIR}/demo_smollm2_T0_2026-12-07.json", setting=setting)
+    *[dict(technique=label, workload=DEMO_WORKLOAD, kind="demo", file=DEMO_FILE, setting=setting)
       for setting, label in (("ngram", "prompt lookup (`ngram`)"), ("suffix", "suffix decoding (`suffix`)"),
                              ("eagle", "EAGLE head (`eagle`)"), ("eagle+tts", "EAGLE + Test-Time Speculation"),
-                             ("eagle+av", "EAGLE + adaptive verification"), ("eagle+gbv", "EAGLE + GBV"))],
-    dict(technique="specadapt + the 0.5B draft", workload="LiveCodeBench x 3, Qwen2.5-Coder-1.5B, T = 1",
-         kind="llamacpp", file=f"{JSON_DIR}/bench_llamacpp_T1_2026-12-07.json",
-         setting="specadapt Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf n=4",
-         baseline="specadapt Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf n=4: target-only (paired)",
-         command=LLAMACPP_T1_CMD),
-    dict(technique="llama.cpp + the 0.5B draft (for comparison)", workload="LiveCodeBench x 3, Qwen2.5-Coder-1.5B, T = 1",
-         kind="llamacpp", file=f"{JSON_DIR}/bench_llamacpp_T1_2026-12-07.json",
-         setting="llama.cpp draft Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf n=4", baseline="llama.cpp target-only",
-         command=LLAMACPP_T1_CMD),
+                             ("eagle+av", "EAGLE + adaptive verification"), ("eagle+gbv", "EAGLE + GBV"),
+                             ("eagle+suffix", "hybrid (`eagle+suffix`)"))],
 ]
 
 

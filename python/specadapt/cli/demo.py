@@ -73,7 +73,14 @@ def add_parser(sub) -> None:
     p.add_argument("--dataset", default=None,
                    help="prompts (as generate's --dataset; default: livecodebench for a coder target, else aime24)")
     p.add_argument("--limit", type=int, default=None, help="prompts per setting (default: 1 on a coder target, else 2)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="new tokens per prompt, per turn with --follow-ups (default: 192 in a session, else 256)")
+    p.add_argument("--follow-ups", default=None, metavar="none|code-tests|code|FILE",
+                   help="user turns after each answer (as generate's --follow-ups; one session of --session-context "
+                        "tokens). Default: code-tests on a coder target (a follow-up that re-emits the answer's code "
+                        "with unit tests), else none")
+    p.add_argument("--session-context", type=int, default=1024,
+                   help="with --follow-ups: the session ends before its context would pass this many tokens")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 (greedy): every row must write the target-only text, checked")
     p.add_argument("--batch-size", type=int, default=1)
@@ -117,6 +124,8 @@ def generate_argv(args, setting: Setting, json_out: str) -> list[str]:
             "--max-new-tokens", str(args.max_new_tokens), "--temperature", format(args.temperature, "g"),
             "--batch-size", str(args.batch_size), "--seed", str(args.seed), "--json", json_out, "--no-progress",
             "--bucket-edges", ",".join(str(e) for e in bucket_edges(args.max_new_tokens))]
+    if args.follow_ups not in (None, "", "none"):
+        argv += ["--session", "1", "--follow-ups", args.follow_ups, "--session-context", str(args.session_context)]
     if setting.name != "target-only":
         argv.append("--baseline")
     if args.threads is not None:
@@ -125,12 +134,17 @@ def generate_argv(args, setting: Setting, json_out: str) -> list[str]:
 
 
 def _defaults(args) -> None:
-    """Fill ``--dataset`` / ``--limit`` left unset: the code workload on a coder target, AIME elsewhere."""
+    """Fill ``--dataset`` / ``--limit`` / ``--follow-ups`` / ``--max-new-tokens`` left unset: one code session on a
+    coder target, AIME answers elsewhere."""
     coder = "coder" in str(args.model).lower()
     if args.dataset is None:
         args.dataset = "livecodebench" if coder else "aime24"
     if args.limit is None:
         args.limit = 1 if coder else 2
+    if args.follow_ups is None:
+        args.follow_ups = "code-tests" if coder else "none"
+    if args.max_new_tokens is None:  # a session's two turns fit the 8-minute fresh-clone budget at 192 (README)
+        args.max_new_tokens = 256 if args.follow_ups in ("", "none") else 192
 
 
 def _check_preset(model: str) -> None:
@@ -159,6 +173,16 @@ def _validate(args) -> list[Setting]:
         raise UsageError(f"--limit must be >= 1, got {args.limit}")
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.follow_ups not in (None, "", "none"):
+        from .sessions import load_follow_ups
+
+        try:
+            load_follow_ups(args.follow_ups)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        if args.session_context < 2 * args.max_new_tokens:
+            raise UsageError(f"--session-context ({args.session_context}) must be at least twice --max-new-tokens "
+                             f"({args.max_new_tokens}) for a follow-up turn to fit")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
     if args.draft_head != "eagle" and not args.draft_head.startswith("eagle:"):

@@ -44,7 +44,10 @@ CODE_FOLLOW_UPS = (
     "A user reports a bug: the program crashes when the input is empty or holds a single value. Fix it and show "
     "the complete corrected program.",
 )
-BUNDLED_FOLLOW_UPS = {"code": CODE_FOLLOW_UPS}
+#: One follow-up that re-emits the answer's code (``--follow-ups code-tests``, ``specadapt demo``'s default on a
+#: coder target): the turn where a session repeats the most text.
+CODE_TESTS_FOLLOW_UP = (CODE_FOLLOW_UPS[1],)
+BUNDLED_FOLLOW_UPS = {"code": CODE_FOLLOW_UPS, "code-tests": CODE_TESTS_FOLLOW_UP}
 
 
 def load_follow_ups(spec: str | None) -> tuple[str, ...]:
