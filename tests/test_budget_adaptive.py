@@ -76,7 +76,9 @@ def test_feature_from_probs():
     q = torch.tensor([[0.7, 0.2, 0.1], [1.0, 0.0, 0.0]])
     f = feature_from_probs(q)
     assert float(f[0]) == pytest.approx(np.log(0.7 / 0.3), rel=1e-6)
-    assert float(f[1]) == 40.0
+    from specadapt.estimator.features import FEATURE_CLAMP
+
+    assert float(f[1]) == FEATURE_CLAMP
 
 
 def _adaptive(L, costs):
@@ -206,14 +208,16 @@ def test_lookahead_bound_uses_the_largest_possible_next_acceptance():
     assert av.draft_caps(0, probs, torch.tensor([3, 3]), lookahead=False).tolist() == [3, 3]
     av.stale_budget = 3  # only 2 slots known: nothing can be ruled out yet
     assert av.draft_caps(0, probs, torch.tensor([3, 3])).tolist() == [3, 3]
-    # a negative slope is bounded with |omega| * 40: row 0 (confident, f = 3.5) predicts 0.03, row 1 (flat q,
-    # f = -4.6) 0.99; threshold 0.03; row 0's next slot may reach 0.03 * sigmoid(40) = 0.03: not ruled out
+    # a negative slope is bounded with |omega| * c (c = FEATURE_CLAMP = 8): row 0 (confident, f = 3.5) predicts
+    # 0.03, row 1 (flat q, f = -4.6) 0.99; threshold 0.03; row 0's next slot reaches at most
+    # 0.03 * sigmoid(8) < 0.03: ruled out; row 1's may reach 0.99 * sigmoid(8) (with omega instead of |omega| it
+    # would be 0.99 * sigmoid(-8) < 0.03 and row 1 would stop too)
     est.slope = -1.0
     av.stale_budget = 2
     peaked = torch.full((100,), 0.03 / 99)
     peaked[0] = 0.97
     probs = torch.stack([peaked, torch.full((100,), 0.01)])[:, None, :]
-    assert av.draft_caps(0, probs, torch.tensor([3, 3])).tolist() == [3, 3]
+    assert av.draft_caps(0, probs, torch.tensor([3, 3])).tolist() == [1, 3]
 
 
 def test_draft_filter_is_off_without_a_budget_or_pruning():

@@ -26,10 +26,16 @@ def test_feature_is_logit_of_qmax():
 
 
 def test_feature_is_stable_and_clamped():
-    f = draft_confidence_feature(torch.tensor([[100.0, 0.0, 0.0], [0.0, -10.0, -10.0]]), 1.0)
-    assert float(f[0]) == 40.0  # q_max rounds to 1 in float32; the stable form still gives a finite value
-    assert math.isclose(float(f[1]), 10 - math.log(2), rel_tol=1e-5)
-    assert draft_confidence_feature(torch.tensor([[1.0, 2.0]]), 0.0).tolist() == [40.0]
+    from specadapt.estimator.features import FEATURE_CLAMP
+
+    assert FEATURE_CLAMP == 8.0
+    f = draft_confidence_feature(torch.tensor([[100.0, 0.0, 0.0], [0.0, -5.0, -5.0], [0.0, -9.0, -9.0]]), 1.0)
+    assert float(f[0]) == FEATURE_CLAMP  # q_max rounds to 1 in float32; the stable form still gives a finite value
+    assert math.isclose(float(f[1]), 5 - math.log(2), rel_tol=1e-5)
+    assert float(f[2]) == FEATURE_CLAMP  # 9 - log 2 = 8.3: clamped
+    assert draft_confidence_feature(torch.tensor([[0.0, 100.0, 0.0]]), 1.0).tolist() == [FEATURE_CLAMP]
+    assert draft_confidence_feature(torch.tensor([[-100.0, 0.0], [0.0, 0.0]]), 1.0)[1].item() == 0.0
+    assert draft_confidence_feature(torch.tensor([[1.0, 2.0]]), 0.0).tolist() == [FEATURE_CLAMP]
     assert torch.isnan(draft_confidence_feature(torch.tensor([[float("nan"), 1.0]]), 0.0)).all()
     with pytest.raises(ValueError, match="temperature"):
         draft_confidence_feature(torch.zeros(1, 3), -1.0)

@@ -10,7 +10,7 @@ from scipy import stats
 
 from tests.helpers.models import WORDS
 from specadapt.cli import main
-from specadapt.estimator.evaluation import auc, ece, evaluate_records, log_loss, read_draft_log
+from specadapt.estimator.evaluation import auc, ece, ece_null, evaluate_records, log_loss, read_draft_log
 
 
 def test_auc_matches_mann_whitney_with_ties():
@@ -31,6 +31,26 @@ def test_log_loss_and_ece_by_hand():
     p = rng.random(200_000)
     assert ece(p, rng.random(200_000) < p) < 0.01  # calibrated by construction
     assert ece(p, rng.random(200_000) < p**2) > 0.1
+
+
+def test_ece_null_is_the_ece_of_calibrated_labels_and_shrinks_with_more_labels():
+    rng = np.random.default_rng(1)
+    p = rng.random(30)
+    null = ece_null(p, draws=4000, seed=3)
+    # by hand: the same draws through ece()
+    draws = np.random.default_rng(3).random((4000, 30)) < p[None, :]
+    by_hand = np.array([ece(p, d.astype(float)) for d in draws])
+    assert null["median"] == pytest.approx(float(np.median(by_hand)), abs=1e-12)
+    assert null["p95"] == pytest.approx(float(np.quantile(by_hand, 0.95)), abs=1e-12)
+    assert 0.05 < null["median"] < 0.2  # 30 labels: a calibrated estimator still scores ~0.1
+    big = ece_null(rng.random(10_000), draws=200)
+    assert big["p95"] < 0.02
+    # labels of a miscalibrated estimator (the truth is p / 2) lie above the null; calibrated ones mostly within
+    q = rng.random(2000)
+    assert ece(q, (rng.random(2000) < q / 2).astype(float)) > ece_null(q, draws=300)["p95"]
+    inside = sum(ece(q, (rng.random(2000) < q).astype(float)) <= ece_null(q, draws=300)["p95"] for _ in range(40))
+    assert inside >= 34  # ~95% of calibrated samples
+    assert ece_null(np.array([]))["median"] is None
 
 
 def test_evaluate_records_uses_only_out_of_sample_predictions():

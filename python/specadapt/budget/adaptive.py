@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..estimator import AcceptanceEstimator
-from ..estimator.features import feature_from_probs
+from ..estimator.features import FEATURE_CLAMP, feature_from_probs
 from .config import AVConfig
 from .budget import allocate_prefixes, choose_budget, survival
 from .costs import CostTable
@@ -498,8 +498,8 @@ class AdaptiveVerification:
         - a row whose slot ``step`` has survival ``< t`` drops it and stops: cap ``step`` (the slot is never
           among the final top-``B*``, and neither is any later slot of its row: survival never increases);
         - look-ahead (ours): a row whose slot ``step + 1`` cannot reach ``t`` whatever its q row is -- its
-          survival is at most ``S_step * sigmoid(|omega| * 40 + beta_{step+1})``, the feature being clamped to
-          [-40, 40] -- stops after ``step``: cap ``step + 1``, and the draft skips the forward that would only
+          survival is at most ``S_step * sigmoid(|omega| * c + beta_{step+1})``, the feature being clamped to
+          [-c, c] (``c`` = :data:`~specadapt.estimator.features.FEATURE_CLAMP`) -- stops after ``step``: cap ``step + 1``, and the draft skips the forward that would only
           have shown that slot ``step + 1`` is out of the budget.
 
         The caps :meth:`plan` then computes are the ones full drafting would give (every dropped slot is outside
@@ -538,7 +538,7 @@ class AdaptiveVerification:
         kept = keep & (current >= threshold)
         caps = torch.where(keep & ~kept, torch.full_like(num_drafts, step), num_drafts)
         if lookahead and step + 1 < self.estimator.num_positions:
-            best_next = torch.sigmoid(torch.tensor(abs(self.estimator.slope) * 40.0, dtype=torch.float64)
+            best_next = torch.sigmoid(torch.tensor(abs(self.estimator.slope) * FEATURE_CLAMP, dtype=torch.float64)
                                       + self.estimator.intercepts[step + 1])
             stop = kept & (num_drafts > step + 1) & ~(current * best_next >= threshold)
             caps = torch.where(stop, torch.full_like(num_drafts, step + 1), caps)

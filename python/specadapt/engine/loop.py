@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from ..estimator.features import feature_from_probs
+from ..estimator.features import FEATURE_CLAMP, feature_from_probs
 from ..sampling import SamplingParams, TokenCounts, logits_to_probs_rows
 from .. import kernels
 from . import coins
@@ -620,7 +620,8 @@ class SpeculativeEngine:
             confidence = getattr(proposal, "confidence", None)  # a deterministic draft's own feature
             n_draft, features, predictions = (
                 self.adaptive.plan(proposal.probs, n_draft) if confidence is None
-                else self.adaptive.plan_features(confidence[:, :proposal.tokens.shape[1]].float(), n_draft))
+                else self.adaptive.plan_features(
+                    confidence[:, :proposal.tokens.shape[1]].float().clamp(-FEATURE_CLAMP, FEATURE_CLAMP), n_draft))
         batch, width = proposal.tokens.shape
         proposed, drafted = width, max(n_draft.tolist(), default=0)
         if drafted < width:  # trailing columns no row verifies (an n-gram miss, a pruned budget): a narrower

@@ -24,7 +24,7 @@ class EstimatorConfig:
         SettingError (a ValueError): a value out of range, naming the field.
     """
 
-    refit_interval: int = setting(100, flag="--av-refit-interval", help="rounds (decode steps) between IRLS refits")
+    refit_interval: int = setting(50, flag="--av-refit-interval", help="rounds (decode steps) between IRLS refits")
     damping: float = setting(50.0, flag="--av-damping", help="D in the evidence damping n/(n+D)")
     init_slope: float = setting(0.5, flag="--av-init-slope", help="initial shared slope omega")
     init_intercept: float = setting(-0.2, flag="--av-init-intercept", help="initial per-position intercept beta_k")

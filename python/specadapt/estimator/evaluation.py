@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["auc", "log_loss", "ece", "evaluate_records", "read_draft_log", "replay_records"]
+__all__ = ["auc", "log_loss", "ece", "ece_null", "evaluate_records", "read_draft_log", "replay_records"]
 
 
 def auc(scores: np.ndarray, labels: np.ndarray) -> float | None:
@@ -57,6 +57,31 @@ def ece(probs: np.ndarray, labels: np.ndarray, bins: int = 10) -> float:
         if mask.any():
             total += mask.sum() / len(p) * abs(y[mask].mean() - p[mask].mean())
     return float(total)
+
+
+def ece_null(probs: np.ndarray, bins: int = 10, draws: int = 2000, seed: int = 0) -> dict:
+    """The ECE a perfectly calibrated estimator would score on these predictions: labels drawn
+    ``y_i ~ Bernoulli(p_i)`` ``draws`` times, :func:`ece` of each draw.
+
+    ECE is biased upwards on few labels (each bin's ``|mean(y) - mean(p)|`` is at least its sampling noise), so a
+    measured ECE only says "miscalibrated" where it lies above this null distribution: at 30 labels a calibrated
+    estimator scores about 0.1, at 10,000 about 0.01.
+
+    Returns:
+        ``{"median", "p95", "draws"}`` (``None`` values for no predictions).
+    """
+    p = np.asarray(probs, dtype=np.float64)
+    if p.size == 0:
+        return {"median": None, "p95": None, "draws": 0}
+    rng = np.random.default_rng(seed)
+    which = np.minimum((p * bins).astype(np.int64), bins - 1)
+    counts = np.bincount(which, minlength=bins).astype(np.float64)
+    mean_p = np.bincount(which, weights=p, minlength=bins)
+    y = (rng.random((draws, p.size)) < p[None, :]).astype(np.float64)  # [draws, n]
+    sums = np.zeros((draws, bins))
+    np.add.at(sums.T, which, y.T)  # per draw and bin: the number of 1-labels
+    values = np.abs(sums - mean_p[None, :]).sum(axis=1) / p.size  # sum_b n_b/n |mean y_b - mean p_b|
+    return {"median": float(np.median(values)), "p95": float(np.quantile(values, 0.95)), "draws": int(draws)}
 
 
 def _metrics(probs, labels) -> dict:
@@ -161,6 +186,7 @@ def evaluate_records(records: list[dict], min_refits: int = 1) -> dict:
     qmax = 1 / (1 + np.exp(-np.array([r["feature"] for r in used], dtype=np.float64)))
     out = {"fitted": _metrics(fitted, y), "qmax_unfitted": _metrics(qmax, y), "per_position": [],
            "records": len(used), "records_total": len(records)}
+    out["fitted"]["ece_calibrated_null"] = ece_null(fitted)
     for k in sorted(set(pos.tolist())):
         m = pos == k
         out["per_position"].append({"position": int(k), "fitted": _metrics(fitted[m], y[m]),
@@ -179,6 +205,12 @@ def format_report(result: dict) -> str:
     for name in ("fitted", "qmax_unfitted"):
         m = result[name]
         lines.append(f"{name:>16} {f(m['auc']):>8} {f(m['log_loss']):>9} {f(m['ece']):>8} {m['count']:>7}")
+    null = result["fitted"].get("ece_calibrated_null")
+    if null and null["median"] is not None:
+        verdict = ("above it: miscalibrated" if result["fitted"]["ece"] > null["p95"]
+                   else "within it: consistent with calibration")
+        lines.append(f"ECE a calibrated estimator scores on these {result['fitted']['count']} predictions: median "
+                     f"{null['median']:.4f}, 95% below {null['p95']:.4f} (fitted ECE {verdict})")
     lines.append("per position (fitted | q_max unfitted):")
     for p in result["per_position"]:
         a, b = p["fitted"], p["qmax_unfitted"]
