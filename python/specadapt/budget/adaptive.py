@@ -487,7 +487,7 @@ class AdaptiveVerification:
         return survival(self.estimator.predict(extended), live)
 
     def draft_caps(self, step: int, draft_probs: torch.Tensor, num_drafts: torch.Tensor,
-                   lookahead: bool = True) -> torch.Tensor:
+                   lookahead: bool = True, features: torch.Tensor | None = None) -> torch.Tensor:
         """Early stop of drafting: how many positions each row drafts at most, decided after position ``step``.
 
         Called by a model draft after it computed the q rows of position ``step`` for every row (before any
@@ -512,6 +512,9 @@ class AdaptiveVerification:
             draft_probs: ``[B, step + 1, V]`` q rows of positions ``0..step``.
             num_drafts: ``[B]`` int64 positions each row currently drafts (``> step`` = still drafting).
             lookahead: also stop rows whose next slot cannot be verified.
+            features: ``[B, step + 1]`` the draft's own features of positions ``0..step`` (its ``confidence``,
+                e.g. a greedy EAGLE head's temperature-1 confidence), used instead of ``logit(q_max)`` of
+                ``draft_probs``; the proposal's plan then reads the same features.
 
         Returns:
             ``[B]`` int64 caps, ``<= num_drafts``.
@@ -522,7 +525,11 @@ class AdaptiveVerification:
             return num_drafts.clone()
         if step == 0:
             self._round_proposed = num_drafts.clone()  # for plan(): the depth each row proposed
-        features = self._draft_features(step, draft_probs)
+        if features is not None:
+            features = features.to(torch.float32)
+            self._round_features = features
+        else:
+            features = self._draft_features(step, draft_probs)
         surv = survival(self.estimator.predict(features), torch.clamp(num_drafts, max=step + 1))  # [B, step+1]
         known = torch.arange(step + 1)[None, :] < torch.clamp(num_drafts, max=step + 1)[:, None]
         values = surv[known]

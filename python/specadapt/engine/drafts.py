@@ -236,7 +236,8 @@ def zero_hole_rows(tokens: torch.Tensor, probs: torch.Tensor, live: torch.Tensor
 
 def apply_draft_filter(draft_filter, proposal: DraftProposal, step: int) -> bool:
     """Apply ``draft_filter`` after position ``step`` was drafted: ``num_tokens = min(num_tokens, caps)`` with
-    ``caps [B] int64 = draft_filter(step, probs [B, step+1, V], num_tokens [B])`` (e.g.
+    ``caps [B] int64 = draft_filter(step, probs [B, step+1, V], num_tokens [B])``, with ``features=`` ``[B, step+1]``
+    the proposal's ``confidence`` where the draft gives one (e.g.
     :meth:`specadapt.budget.adaptive.AdaptiveVerification.draft_caps`).
 
     Returns:
@@ -245,7 +246,13 @@ def apply_draft_filter(draft_filter, proposal: DraftProposal, step: int) -> bool
     if draft_filter is None:
         return True
     num = proposal.num_tokens
-    caps = draft_filter(step, proposal.probs[:, : step + 1], num)
+    if proposal.confidence is not None:  # the draft's own features (e.g. a greedy head's confidence)
+        from ..estimator.features import FEATURE_CLAMP
+
+        features = proposal.confidence[:, : step + 1].clamp(-FEATURE_CLAMP, FEATURE_CLAMP)
+        caps = draft_filter(step, proposal.probs[:, : step + 1], num, features=features)
+    else:
+        caps = draft_filter(step, proposal.probs[:, : step + 1], num)
     proposal.num_tokens = torch.minimum(num, caps.to(num.dtype))
     return bool((proposal.num_tokens > step + 1).any())
 

@@ -211,6 +211,9 @@ class EagleDraft(Draft):
         proposal.num_tokens = num
         vocab = self.head.draft_vocab.cpu()
         history = _step_history(self.history_counts, self.sampling)  # committed + drafts[:i]
+        greedy = _greedy_rows(self.sampling_for_rows(batch), batch)
+        if bool(greedy.any()):  # their q rows are one-hot: the estimator reads the head's own confidence instead
+            proposal.confidence = torch.zeros(batch, length, dtype=torch.float32)
         for i in range(length):
             token, q = self._sample(logits, draft_coins(self, histories, torch.full((batch, 1), i)), history)
             token = token[:, 0]
@@ -218,6 +221,8 @@ class EagleDraft(Draft):
                 history.add_(token)
             proposal.tokens[:, i] = token
             proposal.probs[:, i].index_copy_(1, vocab, q)
+            if proposal.confidence is not None:
+                proposal.confidence[:, i] = greedy_confidence(logits.cpu(), q, greedy)
             if not apply_draft_filter(draft_filter, proposal, i):
                 break
             if i + 1 < length:  # rows whose drafts end here take no step (they may sit at the context's end)
@@ -335,3 +340,28 @@ class EagleDraft(Draft):
 
         self.record_context = True
         return EagleDraftStudent(self)
+
+
+def _greedy_rows(sampling, rows: int) -> torch.Tensor:
+    """``[rows] bool``: the rows that decode greedily (``sampling``: one :class:`SamplingParams` or one per row)."""
+    if isinstance(sampling, (list, tuple)):
+        return torch.tensor([bool(p.greedy) for p in sampling], dtype=torch.bool)
+    return torch.full((rows,), bool(sampling.greedy), dtype=torch.bool)
+
+
+def greedy_confidence(logits: torch.Tensor, q: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """The acceptance estimator's feature of one draft position: for greedy rows ``logit(q_max)`` of the head's
+    distribution at temperature 1 (their sampling row ``q`` is one-hot, whose feature is the same clamp for every
+    draft and tells the estimator nothing), for the others that of their ``q`` row (what the estimator reads
+    anyway). It depends on the prefix only (the head's logits), never on a coin, so pruning on it stays lossless.
+
+    Args:
+        logits: ``[B, Vd] float`` the head's logits; q: ``[B, Vd]`` the rows the tokens were drawn from;
+        greedy: ``[B] bool``.
+
+    Returns:
+        ``[B] float32``.
+    """
+    from ..estimator.features import draft_confidence_feature, feature_from_probs
+
+    return torch.where(greedy, draft_confidence_feature(logits.float(), 1.0), feature_from_probs(q))
