@@ -104,6 +104,8 @@ def test_follow_up_sessions_follow_the_plan_and_stay_exact():
 
 def test_load_follow_ups(tmp_path):
     assert load_follow_ups("code") == CODE_FOLLOW_UPS and len(CODE_FOLLOW_UPS) == 3
+    tests_turn = load_follow_ups("code-tests")  # the demo's session: the one turn that re-emits the program
+    assert tests_turn == (CODE_FOLLOW_UPS[1],) and "unit tests" in tests_turn[0] and "complete program" in tests_turn[0]
     assert load_follow_ups(None) == () and load_follow_ups("none") == ()
     (tmp_path / "f.txt").write_text("first one\n\n  second  \n")
     assert load_follow_ups(str(tmp_path / "f.txt")) == ("first one", "second")

@@ -60,7 +60,8 @@ def add_parser(sub) -> None:
     p.add_argument("--follow-ups", default="none", metavar="F",
                    help="--session: user turns asked after each problem's answer, in order, before the next problem: "
                         "'code' (explain and re-emit the code improved, write unit tests for it, fix a stated bug), "
-                        "a .json list of strings, a text file with one follow-up per line, or none")
+                        "'code-tests' (only the unit-test turn, which re-emits the program), a .json list of "
+                        "strings, a text file with one follow-up per line, or none")
     p.add_argument("--session-context", type=int, default=0, metavar="N",
                    help="--session: end each session when its context would pass N tokens (0: the model's window; "
                         "the coder presets' is 32K, so 8192 keeps a code session to 8K)")
