@@ -30,13 +30,16 @@ ANCHOR_CMD = ("python scripts/bench_llamacpp.py --limit 4 --max-new-tokens 256 -
 ANCHOR_FILE = f"{JSON_DIR}/bench_llamacpp_anchor_spec_T0_2026-12-08.json"
 ANCHOR_WORKLOAD = "LiveCodeBench x 4, 256 tokens, Qwen2.5-Coder-1.5B, T = 0, both engines on the same GGUF file"
 DEMO_FILE = f"{JSON_DIR}/demo_coder_session_T0_2026-12-08.json"
+ZEN5 = "AMD EPYC Zen 5 (AVX-512 VNNI), 2 cores"
+ZEN4 = "AMD EPYC Zen 4 (AVX-512 VNNI), 2 cores"  # 2026-12-07's sessions (their JSON recorded no microarchitecture)
 DEMO_WORKLOAD = "`make demo`: one code session (answer + unit-test turn), Qwen2.5-Coder-1.5B, T = 0"
 
 #: The table's rows, in order. ``machine`` / ``date`` / ``command`` given here win; else they are read from the JSON
 #: where it records them (demo.json, bench_llamacpp.py, generate runs from 2026-12-07's third session on).
 ROWS: list[dict] = [
     *[dict(technique=label, workload=ANCHOR_WORKLOAD, kind="llamacpp", file=ANCHOR_FILE, setting=setting,
-           baseline="llama.cpp target-only", command=ANCHOR_CMD)
+           baseline="llama.cpp target-only", command=ANCHOR_CMD, machine=ZEN5,
+           acceptance=not setting.startswith("llama.cpp ngram"))  # llama.cpp's n-gram jobs report no acceptance
       for setting, label in (
           ("specadapt eagle+suffix", "specadapt hybrid (`eagle+suffix`) **vs llama.cpp target-only**"),
           ("specadapt eagle", "specadapt EAGLE head **vs llama.cpp target-only**"),
@@ -53,24 +56,24 @@ ROWS: list[dict] = [
          command=SESSION_CMD.format(draft="suffix") + " --num-draft-tokens 8 --adaptive-verification"),
     dict(technique="suffix decoding (`--draft suffix`, L = 4), second run",
          workload="code sessions, Qwen2.5-Coder-1.5B, T = 0", kind="generate",
-         file=f"{JSON_DIR}/code_session_suffix_L4_T0_2026-12-07b.json",
+         file=f"{JSON_DIR}/code_session_suffix_L4_T0_2026-12-07b.json", machine=ZEN4,
          command=SESSION_CMD.format(draft="suffix")),
     dict(technique="hybrid (`--draft eagle+suffix`)", workload="code sessions, Qwen2.5-Coder-1.5B, T = 0",
-         kind="generate", file=f"{JSON_DIR}/code_session_hybrid_T0_2026-12-07.json",
+         kind="generate", file=f"{JSON_DIR}/code_session_hybrid_T0_2026-12-07.json", machine=ZEN4,
          command=SESSION_CMD.format(draft="eagle+suffix")),
     dict(technique="EAGLE head (`--draft eagle`, L = 2, block)", workload="code sessions, Qwen2.5-Coder-1.5B, T = 0",
-         kind="generate", file=f"{JSON_DIR}/code_session_eagle_L2_block_T0_2026-12-07.json",
+         kind="generate", file=f"{JSON_DIR}/code_session_eagle_L2_block_T0_2026-12-07.json", machine=ZEN4,
          command=SESSION_CMD.format(draft="eagle") + " --num-draft-tokens 2 --verify block"),
     dict(technique="EAGLE head (`--draft eagle`, L = 2, block)",
          workload="LiveCodeBench x 8, 256 tokens, Qwen2.5-Coder-1.5B, T = 0", kind="generate",
-         file=f"{JSON_DIR}/eagle_coder_epoch1_lcb8_T0_L2_block_2026-12-07.json",
+         file=f"{JSON_DIR}/eagle_coder_epoch1_lcb8_T0_L2_block_2026-12-07.json", machine=ZEN4,
          command=("specadapt generate --model qwen2.5-coder-1.5b --draft eagle --dataset livecodebench --limit 8 "
                   "--max-new-tokens 256 --temperature 0 --num-draft-tokens 2 --verify block --baseline")),
     dict(technique="prompt lookup (`--draft ngram`)", workload="code sessions, Qwen2.5-Coder-1.5B, T = 0",
          kind="generate", file=f"{JSON_DIR}/code_session_ngram_T0_2026-12-07.json",
          machine="AMD EPYC Zen 4 (AVX-512 VNNI), 2 cores", date="2026-12-07",
          command=SESSION_CMD.format(draft="ngram")),
-    *[dict(technique=label, workload=DEMO_WORKLOAD, kind="demo", file=DEMO_FILE, setting=setting)
+    *[dict(technique=label, workload=DEMO_WORKLOAD, kind="demo", file=DEMO_FILE, setting=setting, machine=ZEN5)
       for setting, label in (("ngram", "prompt lookup (`ngram`)"), ("suffix", "suffix decoding (`suffix`)"),
                              ("eagle", "EAGLE head (`eagle`)"), ("eagle+tts", "EAGLE + Test-Time Speculation"),
                              ("eagle+av", "EAGLE + adaptive verification"), ("eagle+gbv", "EAGLE + GBV"),
@@ -124,6 +127,8 @@ def read_row(spec: dict, root: Path = ROOT) -> dict:
         date = date or spec["file"].rsplit("_", 1)[-1].removesuffix(".json")
     else:
         raise ValueError(f"unknown row kind {kind!r}")
+    if not spec.get("acceptance", True):
+        acceptance = None
     return {"technique": spec["technique"], "workload": spec["workload"], "speedup": speedup,
             "acceptance_length": acceptance, "machine": machine, "date": date, "command": command,
             "source": spec["file"]}

@@ -35,7 +35,8 @@ def add_engine_arguments(p) -> None:
     """Add the engine flags (target, draft, sampling, verification, adaptive verification, Test-Time
     Speculation, weight format, device) to the argparse parser ``p``."""
     d = ENGINE_DEFAULTS
-    p.add_argument("--model", default=d["model"], help="target: smollm2-135m, a HF model directory or a .gguf file")
+    p.add_argument("--model", default=d["model"], help="target: smollm2-135m (embedded), a preset (qwen2.5-coder-1.5b, qwen2.5-coder-0.5b: make "
+                        "install-coder / install-models, docs/models.md), a HF model directory or a .gguf file")
     add_threads_argument(p)
     p.add_argument(
         "--draft", default=d["draft"], help="ngram (prompt lookup), suffix (continuation frequencies over this request "
