@@ -4,18 +4,13 @@ filter (early stop) and in the plan alike; output unchanged (greedy equality).""
 
 from __future__ import annotations
 
-import io
-import json
-
 import torch
 
-from specadapt.budget.adaptive import AdaptiveVerification, CostTable
 from specadapt.engine import SpeculativeEngine
 from specadapt.engine.eagle_draft import greedy_confidence
-from specadapt.estimator import AcceptanceEstimator
 from specadapt.estimator.features import FEATURE_CLAMP, draft_confidence_feature, feature_from_probs
 from specadapt.sampling import SamplingParams, logits_to_probs_rows
-from tests.helpers.engine import GREEDY, PROMPTS, eagle, naive_greedy
+from tests.helpers.engine import GREEDY, PROMPTS, eagle, logged_av_features
 
 
 def test_greedy_rows_take_the_temperature_one_confidence_others_their_q():
@@ -30,16 +25,23 @@ def test_greedy_rows_take_the_temperature_one_confidence_others_their_q():
 
 
 def test_adaptive_verification_of_a_greedy_head_fits_its_confidence(tiny_target):
-    n = 24
-    expected = [naive_greedy(tiny_target.model, p, n) for p in PROMPTS]
-    costs = CostTable(target_ms=[10.0, 10.5, 11.0, 11.5, 12.0, 12.5] + [13.0 + i for i in range(20)],
-                      draft_ms=[0.5] * 4)
-    log = io.StringIO()
-    av = AdaptiveVerification(AcceptanceEstimator(4, refit_interval=5), costs, draft_log=log)
-    results = SpeculativeEngine(tiny_target, eagle(tiny_target), GREEDY, 4, "chain", adaptive=av).generate(
-        PROMPTS, n, batch_size=4)
-    assert [r.output_ids for r in results] == expected
-    features = [json.loads(line)["feature"] for line in log.getvalue().splitlines()]
-    assert features, "nothing verified: the test would be vacuous"
+    features = logged_av_features(tiny_target, eagle(tiny_target), draft_ms=0.5)
     assert len(set(features)) > 3 and max(features) <= FEATURE_CLAMP  # not the one clamp value of one-hot rows
     assert sum(f < FEATURE_CLAMP for f in features) > len(features) // 2
+
+
+def test_a_greedy_head_fills_no_confidence_without_adaptive_verification(tiny_target):
+    draft = eagle(tiny_target)
+    SpeculativeEngine(tiny_target, draft, GREEDY, 3, "chain").generate(PROMPTS[:2], 6, batch_size=2)
+    assert draft.wants_confidence is False
+    seen = []
+    original = draft.propose
+
+    def recording(*args, **kwargs):
+        proposal = original(*args, **kwargs)
+        seen.append(proposal.confidence)
+        return proposal
+
+    draft.propose = recording
+    SpeculativeEngine(tiny_target, draft, GREEDY, 3, "chain").generate(PROMPTS[:2], 6, batch_size=2)
+    assert seen and all(c is None for c in seen)  # no feature work on the hot path when nothing reads it

@@ -1,5 +1,6 @@
 """Engine test helpers: greedy settings and prompts, the cache-free greedy oracle, the exact joint law of the
-first tokens and its chi-square check, random EAGLE heads, and targets / drafts on the native forward."""
+first tokens and its chi-square check, random EAGLE heads, targets / drafts on the native forward, and a greedy run
+under adaptive verification with its draft log."""
 
 from __future__ import annotations
 
@@ -126,3 +127,25 @@ def native_draft(target, kind, params=GREEDY, seed=5, subset=None):
         return EagleDraft(head, params, seed, native=NativeEagleHead(head, target.native))
     module = self_draft(target, 1)
     return ModelDraft(module, params, seed, "self:1", native=NativeLlama.from_hf(module, target.native.dtype_name))
+
+
+def logged_av_features(target, draft, draft_ms: float = 0.0, n: int = 24) -> list[float]:
+    """Greedy generation of :data:`PROMPTS` with ``draft`` under adaptive verification (a fixed cost table, refit
+    every 5 rounds, drafts logged); asserts the output equals the cache-free greedy oracle and that some draft
+    was verified. Returns the estimator feature of every logged draft."""
+    import io
+    import json
+
+    from specadapt.budget.adaptive import AdaptiveVerification, CostTable
+    from specadapt.estimator import AcceptanceEstimator
+
+    expected = [naive_greedy(target.model, p, n) for p in PROMPTS]
+    costs = CostTable(target_ms=[10.0, 10.5, 11.0, 11.5, 12.0, 12.5] + [13.0 + i for i in range(20)],
+                      draft_ms=[draft_ms] * 4)
+    log = io.StringIO()
+    av = AdaptiveVerification(AcceptanceEstimator(4, refit_interval=5), costs, draft_log=log)
+    results = SpeculativeEngine(target, draft, GREEDY, 4, "chain", adaptive=av).generate(PROMPTS, n, batch_size=4)
+    assert [r.output_ids for r in results] == expected
+    features = [json.loads(line)["feature"] for line in log.getvalue().splitlines()]
+    assert features, "nothing verified: the test would be vacuous"
+    return features

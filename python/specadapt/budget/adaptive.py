@@ -317,7 +317,9 @@ class AdaptiveVerification:
         return self.plan_features(feature_from_probs(draft_probs), num_drafts)
 
     def plan_features(self, features: torch.Tensor, num_drafts: torch.Tensor):
-        """:meth:`plan` from precomputed ``[B, L]`` features (CPU), e.g. computed where the q rows live."""
+        """:meth:`plan` from precomputed ``[B, L]`` features (CPU), e.g. computed where the q rows live, or a draft's
+        own confidence; clamped to the estimator's range ``[-FEATURE_CLAMP, FEATURE_CLAMP]`` here."""
+        features = features.float().clamp(-FEATURE_CLAMP, FEATURE_CLAMP)
         if self._round_limit == 0 and not self._probing:
             return self._plan_off_round(features, num_drafts)
         return self._plan_general(features, num_drafts)
@@ -513,8 +515,8 @@ class AdaptiveVerification:
             num_drafts: ``[B]`` int64 positions each row currently drafts (``> step`` = still drafting).
             lookahead: also stop rows whose next slot cannot be verified.
             features: ``[B, step + 1]`` the draft's own features of positions ``0..step`` (its ``confidence``,
-                e.g. a greedy EAGLE head's temperature-1 confidence), used instead of ``logit(q_max)`` of
-                ``draft_probs``; the proposal's plan then reads the same features.
+                e.g. a greedy EAGLE head's temperature-1 confidence; clamped here as in :meth:`plan_features`),
+                used instead of ``logit(q_max)`` of ``draft_probs``; the proposal's plan then reads the same.
 
         Returns:
             ``[B]`` int64 caps, ``<= num_drafts``.
@@ -526,7 +528,7 @@ class AdaptiveVerification:
         if step == 0:
             self._round_proposed = num_drafts.clone()  # for plan(): the depth each row proposed
         if features is not None:
-            features = features.to(torch.float32)
+            features = features.to(torch.float32).clamp(-FEATURE_CLAMP, FEATURE_CLAMP)
             self._round_features = features
         else:
             features = self._draft_features(step, draft_probs)

@@ -115,6 +115,11 @@ class Draft:
     #: :attr:`catch_up_rows` naming the rows that feed their whole queue.
     probe_window: int | None = None
 
+    #: Set by the engine: adaptive verification reads each draft's estimator feature. A model draft whose q rows
+    #: carry none (greedy rows are one-hot) then fills :attr:`DraftProposal.confidence`; without it it does not
+    #: spend the work.
+    wants_confidence: bool = False
+
     #: ``[B] bool`` or ``None``, set by the engine with :attr:`probe_window`: rows that feed their whole deferred
     #: queue this round although a window is set (the requests the budget ranked in; ``None``: no row). The
     #: other rows with more than ``probe_window`` deferred pairs draft from a scratch window.
@@ -247,10 +252,7 @@ def apply_draft_filter(draft_filter, proposal: DraftProposal, step: int) -> bool
         return True
     num = proposal.num_tokens
     if proposal.confidence is not None:  # the draft's own features (e.g. a greedy head's confidence)
-        from ..estimator.features import FEATURE_CLAMP
-
-        features = proposal.confidence[:, : step + 1].clamp(-FEATURE_CLAMP, FEATURE_CLAMP)
-        caps = draft_filter(step, proposal.probs[:, : step + 1], num, features=features)
+        caps = draft_filter(step, proposal.probs[:, : step + 1], num, features=proposal.confidence[:, : step + 1])
     else:
         caps = draft_filter(step, proposal.probs[:, : step + 1], num)
     proposal.num_tokens = torch.minimum(num, caps.to(num.dtype))

@@ -293,8 +293,13 @@ class EagleHead(nn.Module):
         )
         g = out[0] if isinstance(out, tuple) else out
         kept = g if logits_to_keep == 0 else g[:, -logits_to_keep:]
-        logits = torch.nn.functional.linear(norm(kept).to(head_weight.dtype), head_weight)
-        return SimpleNamespace(logits=logits, hidden=g)
+        return SimpleNamespace(logits=self.logits_of(kept), hidden=g)
+
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[..., h]`` head outputs ``g`` -> ``[..., Vd]`` logits over ``draft_vocab`` (the target's final norm,
+        then its LM-head rows of the draft vocabulary)."""
+        _, norm, head_weight = self.shared
+        return torch.nn.functional.linear(norm(hidden).to(head_weight.dtype), head_weight)
 
 
 def _on_meta(model: nn.Module) -> bool:

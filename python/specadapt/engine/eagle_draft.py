@@ -211,8 +211,8 @@ class EagleDraft(Draft):
         proposal.num_tokens = num
         vocab = self.head.draft_vocab.cpu()
         history = _step_history(self.history_counts, self.sampling)  # committed + drafts[:i]
-        greedy = _greedy_rows(self.sampling_for_rows(batch), batch)
-        if bool(greedy.any()):  # their q rows are one-hot: the estimator reads the head's own confidence instead
+        greedy = _greedy_rows(self.sampling_for_rows(batch), batch) if self.wants_confidence else None
+        if greedy is not None and bool(greedy.any()):  # one-hot q rows: the estimator reads the head's confidence
             proposal.confidence = torch.zeros(batch, length, dtype=torch.float32)
         for i in range(length):
             token, q = self._sample(logits, draft_coins(self, histories, torch.full((batch, 1), i)), history)
@@ -222,7 +222,7 @@ class EagleDraft(Draft):
             proposal.tokens[:, i] = token
             proposal.probs[:, i].index_copy_(1, vocab, q)
             if proposal.confidence is not None:
-                proposal.confidence[:, i] = greedy_confidence(logits.cpu(), q, greedy)
+                proposal.confidence[:, i] = greedy_confidence(logits.cpu(), q, greedy)  # [B, Vd] rows
             if not apply_draft_filter(draft_filter, proposal, i):
                 break
             if i + 1 < length:  # rows whose drafts end here take no step (they may sit at the context's end)
@@ -364,4 +364,9 @@ def greedy_confidence(logits: torch.Tensor, q: torch.Tensor, greedy: torch.Tenso
     """
     from ..estimator.features import draft_confidence_feature, feature_from_probs
 
-    return torch.where(greedy, draft_confidence_feature(logits.float(), 1.0), feature_from_probs(q))
+    out = torch.empty(greedy.shape[0], dtype=torch.float32)
+    if bool(greedy.any()):
+        out[greedy] = draft_confidence_feature(logits[greedy].float(), 1.0)
+    if not bool(greedy.all()):
+        out[~greedy] = feature_from_probs(q[~greedy])
+    return out

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from ..estimator.features import FEATURE_CLAMP, feature_from_probs
+from ..estimator.features import feature_from_probs
 from ..sampling import SamplingParams, TokenCounts, logits_to_probs_rows
 from .. import kernels
 from . import coins
@@ -242,6 +242,7 @@ class SpeculativeEngine:
             raise ValueError(f"adaptive: adaptive verification does not apply to verify={verify!r}")
         self.num_paths = num_paths
         self.adaptive = adaptive
+        self.draft.wants_confidence = adaptive is not None  # a greedy model draft then gives its own features
         # early stop of drafting (exact: the same caps as drafting everything) for model drafts
         self._draft_filter = adaptive.draft_caps if adaptive is not None and adaptive.early_stop else None
         self.tts = tts  # an engine.tts_bridge.EngineTTS or None
@@ -620,8 +621,7 @@ class SpeculativeEngine:
             confidence = getattr(proposal, "confidence", None)  # a deterministic draft's own feature
             n_draft, features, predictions = (
                 self.adaptive.plan(proposal.probs, n_draft) if confidence is None
-                else self.adaptive.plan_features(
-                    confidence[:, :proposal.tokens.shape[1]].float().clamp(-FEATURE_CLAMP, FEATURE_CLAMP), n_draft))
+                else self.adaptive.plan_features(confidence[:, :proposal.tokens.shape[1]], n_draft))
         batch, width = proposal.tokens.shape
         proposed, drafted = width, max(n_draft.tolist(), default=0)
         if drafted < width:  # trailing columns no row verifies (an n-gram miss, a pruned budget): a narrower

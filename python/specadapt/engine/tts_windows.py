@@ -137,8 +137,7 @@ def shared_window_logits(module: nn.Module, contexts: list, drafts: list[torch.T
     valid = col[None, :] >= pad_t[:, None]
     allowed = valid[:, None, :] & (col[None, None, :] <= col[None, :, None])  # default: causal over real keys
     allowed = allowed | torch.eye(width, dtype=torch.bool)[None]  # padded queries see themselves (no NaN)
-    # each member's window: its query (the window's last pair) sees the union's [start, end) only; the member
-    # slot table maps (group, slot) -> example and its window in the padded columns
+    # the member slot table maps (group, slot) -> example and its window [start, end) in the padded columns
     member_of = torch.full((n_groups, slots_per_group), -1, dtype=torch.int64)
     start_col = torch.zeros(n_groups, slots_per_group, dtype=torch.int64)
     end_col = torch.zeros(n_groups, slots_per_group, dtype=torch.int64)
@@ -146,26 +145,25 @@ def shared_window_logits(module: nn.Module, contexts: list, drafts: list[torch.T
         for j, (i, s, e) in enumerate(g.members):
             member_of[gi, j] = i
             start_col[gi, j], end_col[gi, j] = pads[gi] + s, pads[gi] + e
-            row = torch.zeros(width, dtype=torch.bool)
-            row[pads[gi] + s: pads[gi] + e] = True
-            allowed[gi, pads[gi] + e - 1] = row
+    real = member_of >= 0
+    member_g, member_j = real.nonzero(as_tuple=True)
+    window_keys = (col[None, None, :] >= start_col[:, :, None]) & (col[None, None, :] < end_col[:, :, None]) \
+        & real[:, :, None]  # [G, S, width]: each member's window
+    # each member's query (its window's last pair) sees its window only, in the first pass and in its chain steps
+    allowed[member_g, end_col[member_g, member_j] - 1] = window_keys[member_g, member_j]
     mask = torch.where(allowed, 0.0, neg).to(dtype)[:, None]
     cache = DynamicCache(config=module.config)
     out = module(tokens.to(device), feats.to(device), attention_mask=mask.to(device),
                  position_ids=positions.to(device), cache=cache, use_cache=True, logits_to_keep=1)
-    real = member_of >= 0
     query = (end_col - 1).clamp_min(0)
     g_prev = out.hidden[torch.arange(n_groups)[:, None], query.to(device)]  # [G, S, h]
-    _, norm, head_weight = module.shared
-    logits = [nn.functional.linear(norm(g_prev).to(head_weight.dtype), head_weight)]  # [G, S, Vd]
+    logits = [module.logits_of(g_prev)]  # [G, S, Vd]
     step_tokens = torch.zeros(n_groups, slots_per_group, c_max, dtype=torch.int64)
     for gi in range(n_groups):
         for j in range(slots_per_group):
             i = int(member_of[gi, j])
             if i >= 0:
                 step_tokens[gi, j, : drafts[i].shape[0]] = drafts[i].cpu()
-    union_keys = col[None, None, :]
-    window_keys = (union_keys >= start_col[:, :, None]) & (union_keys < end_col[:, :, None]) & real[:, :, None]
     own = torch.eye(slots_per_group, dtype=torch.bool)[None].expand(n_groups, -1, -1)  # slot j sees its own keys
     chain_keys = torch.zeros(n_groups, slots_per_group, 0, dtype=torch.bool)
     chain_origin = end_col - pad_t[:, None]  # a member's first chain step sits at its window's end (union coords)
@@ -179,6 +177,5 @@ def shared_window_logits(module: nn.Module, contexts: list, drafts: list[torch.T
         g_prev = step.hidden
         logits.append(step.logits)
     stacked = torch.stack(logits, dim=2)  # [G, S, C_max, Vd]
-    gi, j = real.nonzero(as_tuple=True)
-    order = torch.argsort(member_of[gi, j])  # every example is exactly one member
-    return stacked[gi[order].to(device), j[order].to(device)]
+    order = torch.argsort(member_of[member_g, member_j])  # every example is exactly one member
+    return stacked[member_g[order].to(device), member_j[order].to(device)]

@@ -75,7 +75,6 @@ def ece_null(probs: np.ndarray, bins: int = 10, draws: int = 2000, seed: int = 0
         return {"median": None, "p95": None, "draws": 0}
     rng = np.random.default_rng(seed)
     which = np.minimum((p * bins).astype(np.int64), bins - 1)
-    counts = np.bincount(which, minlength=bins).astype(np.float64)
     mean_p = np.bincount(which, weights=p, minlength=bins)
     y = (rng.random((draws, p.size)) < p[None, :]).astype(np.float64)  # [draws, n]
     sums = np.zeros((draws, bins))

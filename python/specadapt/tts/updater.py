@@ -271,8 +271,9 @@ class TTSUpdater:
                     self.optimizer.zero_grad(set_to_none=True)
                     loss.backward()
                     grads = [p for p in self.shadow_params if p.grad is not None]
-                    # the total norm is finite exactly when every gradient entry is (one fused pass; a NaN or
-                    # inf entry makes it NaN / inf), so it is both the check and the clip's norm
+                    # the clip's total norm doubles as the finiteness check (one fused pass): a NaN or inf entry
+                    # makes it NaN / inf; so does a finite gradient whose squares overflow float32 (|g| > 1e19),
+                    # which is skipped too rather than clipped
                     norm = torch.nn.utils.clip_grad_norm_(grads, self.config.grad_clip) if grads else None
                     if norm is None or not bool(torch.isfinite(norm)):
                         self.stats.skipped += 1
